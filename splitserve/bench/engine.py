@@ -1,0 +1,91 @@
+"""`splitserve bench engine`: prefill and decode throughput of the engine alone, in-process.
+
+Prefill: one prompt of --prefill-len tokens at a time (chunked by the token budget), timed
+from admission to first token. Decode: B requests admitted and prefilled first, then only
+decode steps are timed; tok/s = B / median step time.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+import numpy as np
+
+from splitserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from splitserve.engine.core import EngineCore
+from splitserve.sampling_params import SamplingParams
+from splitserve.tokens import PromptTokens
+
+
+def _prompt(rng, n: int, vocab: int) -> PromptTokens:
+    return PromptTokens(rng.integers(3, min(vocab, 32000), n).astype(np.int32))
+
+
+def _drain(engine: EngineCore) -> None:
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def bench_prefill(engine: EngineCore, length: int, repeats: int, rng) -> float:
+    times = []
+    params = SamplingParams(temperature=0, max_tokens=1)
+    for i in range(repeats + 1):
+        engine.add_request(f"p{i}", _prompt(rng, length, engine.model_config.vocab_size), params)
+        t0 = time.perf_counter()
+        _drain(engine)
+        if i:   # the first run warms up
+            times.append(time.perf_counter() - t0)
+    return length / statistics.median(times)
+
+
+def bench_decode(engine: EngineCore, batch: int, steps: int, prompt_len: int, rng) -> float:
+    params = SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"d{batch}-{i}", _prompt(rng, prompt_len, engine.model_config.vocab_size), params)
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) \
+            or engine.scheduler.waiting:
+        engine.step()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    _drain(engine)
+    return batch / statistics.median(times[1:])
+
+
+def run(args) -> dict:
+    config = EngineConfig(model=args.model, dtype=args.dtype, num_threads=args.threads, seed=0,
+                          cache=CacheConfig(enable_prefix_caching=False),
+                          scheduler=SchedulerConfig(max_num_batched_tokens=args.prefill_len,
+                                                    max_num_seqs=max(args.batch_sizes)))
+    engine = EngineCore(config)
+    rng = np.random.default_rng(0)
+    result = {"model": engine.model_config.name, "dtype": args.dtype, "threads": args.threads,
+              "prefill_len": args.prefill_len,
+              "prefill_tok_s": bench_prefill(engine, args.prefill_len, args.repeats, rng),
+              "decode_tok_s": {}}
+    print(f"{result['model']} {args.dtype}: prefill {args.prefill_len} tokens: "
+          f"{result['prefill_tok_s']:.0f} tok/s")
+    for b in args.batch_sizes:
+        tps = bench_decode(engine, b, args.decode_steps, args.decode_prompt_len, rng)
+        result["decode_tok_s"][str(b)] = tps
+        print(f"  decode batch {b:>3}: {tps:7.1f} tok/s  ({1000 * b / tps:.1f} ms/step)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", default=None, help="model path or name (default: bundled SmolLM2)")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--prefill-len", type=int, default=512)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
+    p.add_argument("--decode-steps", type=int, default=32)
+    p.add_argument("--decode-prompt-len", type=int, default=64)
+    p.add_argument("--json", default=None, help="write the results here")

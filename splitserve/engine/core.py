@@ -1,0 +1,234 @@
+"""EngineCore: the scheduler, block manager, model runner and sampler behind one step().
+
+step() is pure with respect to I/O: requests go in through add_request/abort_request and
+results come out as CompletionDeltas, so tests drive it in-process and the process wrapper
+only moves messages.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import msgspec
+import numpy as np
+import torch
+
+from splitserve.config import EngineConfig
+from splitserve.engine.block_manager import BlockManager
+from splitserve.engine.detokenizer import IncrementalDetokenizer
+from splitserve.engine.request import FinishReason, Request, RequestStatus
+from splitserve.engine.runner import ModelRunner, StepResult
+from splitserve.engine.sampler import Sampler, prompt_logprobs
+from splitserve.engine.scheduler import Scheduler
+from splitserve.errors import InvalidRequestError
+from splitserve.model.llama import build_model
+from splitserve.model.loader import ModelSource, load_model_source
+from splitserve.protocol.engine import CompletionDelta
+from splitserve.sampling_params import SamplingParams
+from splitserve.tokens import PromptTokens
+
+logger = logging.getLogger(__name__)
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, source: ModelSource | None = None):
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.source = source or load_model_source(config.model)
+        cfg = self.model_config = self.source.config
+        self.tokenizer = self.source.tokenizer
+        model = build_model(cfg, self.source.weights(), config.torch_dtype)
+        block_size = config.cache.block_size
+        num_blocks = config.cache.num_blocks or max(
+            config.cache.memory_bytes // ModelRunner.kv_block_bytes(cfg, block_size, config.torch_dtype), 2)
+        self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings,
+                                 cfg.max_position_embeddings, num_blocks * block_size)
+        self.block_manager = BlockManager(num_blocks, block_size, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.runner = ModelRunner(model, cfg, num_blocks, block_size, config.torch_dtype)
+        self.sampler = Sampler(cfg.vocab_size, seed=config.seed)
+        self.groups: dict[str, list[Request]] = {}
+        self.detokenizers: dict[int, IncrementalDetokenizer] = {}
+        self.pending: list[CompletionDelta] = []   # deltas produced between steps (aborts)
+        logger.info("engine: %s %s, %d KV blocks of %d tokens, max_model_len %d", cfg.name,
+                    config.dtype, num_blocks, block_size, self.max_model_len)
+
+    # -- requests in ----------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: PromptTokens, params: SamplingParams,
+                    arrival_time: float | None = None) -> None:
+        """Validate and queue; raises InvalidRequestError naming the problem."""
+        if request_id in self.groups:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+        self._validate(prompt, params)
+        eos = () if params.ignore_eos else self.model_config.eos_token_ids
+        children = []
+        for i in range(params.n):
+            child_params = params
+            if params.seed is not None and i:
+                child_params = _with_seed(params, params.seed + i)
+            req = Request(f"{request_id}#{i}" if params.n > 1 else request_id, prompt, child_params,
+                          eos, self.max_model_len, arrival_time)
+            req.group_id, req.index = request_id, i
+            children.append(req)
+        leader, siblings = children[0], children[1:]
+        for s in siblings:
+            s.status = RequestStatus.WAITING_FOR_FORK
+        leader.siblings = siblings
+        self.groups[request_id] = children
+        self.scheduler.add(leader)
+
+    def _validate(self, prompt: PromptTokens, params: SamplingParams) -> None:
+        n = len(prompt)
+        if n == 0:
+            raise InvalidRequestError("the prompt is empty", "prompt")
+        if n >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {n} tokens; this model's context is {self.max_model_len} tokens "
+                f"including at least one generated token", "prompt")
+        if not prompt.is_placeholder:
+            lo, hi = int(prompt.array.min()), int(prompt.array.max())
+            if lo < 0 or hi >= self.model_config.vocab_size:
+                bad = lo if lo < 0 else hi
+                raise InvalidRequestError(f"prompt token id {bad} is outside the vocabulary "
+                                          f"[0, {self.model_config.vocab_size})", "prompt")
+        params.check_vocab(self.model_config.vocab_size)
+
+    def abort_request(self, request_id: str) -> None:
+        for req in self.groups.get(request_id, ()):
+            if not req.is_finished:
+                self._finish(req, FinishReason.ABORT, self.pending)
+
+    # -- the step -------------------------------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.groups)
+
+    def step(self) -> list[CompletionDelta]:
+        out, self.pending = self.pending, []
+        sched = self.scheduler.schedule()
+        if not sched:
+            return out
+        try:
+            result = self.runner.execute(sched.scheduled)
+        except Exception as exc:   # one bad batch ends its requests, not the engine
+            logger.exception("engine: step failed")
+            for req, _ in sched.scheduled:
+                self._finish(req, FinishReason.ERROR, out, error=f"engine step failed: {exc}")
+            return out
+        for req, n in sched.scheduled:
+            req.num_computed_tokens += n
+            self.block_manager.cache_full_blocks(req)
+        self._record_prompt_logprobs(result)
+        self._sample(result, out)
+        return out
+
+    def _record_prompt_logprobs(self, result: StepResult) -> None:
+        for req, start, logits in result.prompt_logits.values():
+            if req.prompt_logprobs is None:
+                req.prompt_logprobs = [None]
+            if start + 1 < len(req.prompt_logprobs):
+                continue   # recomputed after preemption: already recorded
+            targets = torch.from_numpy(req.prompt.array[start + 1:start + 1 + logits.shape[0]].astype(np.int64))
+            req.prompt_logprobs.extend(prompt_logprobs(logits, targets, req.params.prompt_logprobs))
+
+    def _sample(self, result: StepResult, out: list[CompletionDelta]) -> None:
+        if result.logits is None:
+            return
+        requests, rows = list(result.sample_requests), list(range(len(result.sample_requests)))
+        for row, req in enumerate(result.sample_requests):
+            for sib in self._fork_siblings(req):
+                requests.append(sib)
+                rows.append(row)
+        logits = result.logits if len(rows) == len(result.logits) else result.logits[rows]
+        sampled = self.sampler(logits, requests)
+        for req, token, logprob in zip(requests, sampled.token_ids, sampled.logprobs):
+            self._append_token(req, token, logprob, out)
+
+    def _fork_siblings(self, leader: Request) -> list[Request]:
+        """n > 1: siblings share the leader's prompt blocks and sample from its logits."""
+        siblings, leader.siblings = leader.siblings, []
+        forked = []
+        for sib in siblings:
+            if self.block_manager.num_free_blocks < 1:
+                sib.status = RequestStatus.WAITING    # no room to fork: recompute (prefix cache helps)
+                self.scheduler.add(sib)
+                continue
+            copy = self.block_manager.fork(leader, sib)
+            if copy is not None:
+                self.runner.copy_block(*copy)
+            sib.num_computed_tokens = leader.num_computed_tokens
+            sib.prompt_logprobs = leader.prompt_logprobs
+            sib.status = RequestStatus.RUNNING
+            self.scheduler.running.append(sib)
+            forked.append(sib)
+        return forked
+
+    def _append_token(self, req: Request, token: int, logprob, out: list[CompletionDelta]) -> None:
+        first = req.num_output_tokens == 0
+        req.output_token_ids.append(token)
+        delta = CompletionDelta(req.group_id, req.index, [token], "",
+                                logprobs=None if logprob is None else [logprob])
+        if first:
+            delta.prompt_logprobs = req.prompt_logprobs
+            delta.num_prompt_tokens = req.num_prompt_tokens
+            delta.num_cached_tokens = req.num_cached_tokens
+        reason = self._check_stop(req, token, delta)
+        if reason is not None:
+            self._finish(req, reason, out, delta)
+        else:
+            out.append(delta)
+
+    def _check_stop(self, req: Request, token: int, delta: CompletionDelta) -> FinishReason | None:
+        params = req.params
+        if token in req.eos_token_ids:
+            return FinishReason.STOP
+        if token in params.stop_token_ids:
+            req.stop_reason = token
+            return FinishReason.STOP
+        text, stop = self._detokenizer(req).step([token])
+        delta.text = text
+        if stop is not None:
+            req.stop_reason = stop
+            return FinishReason.STOP
+        if req.num_output_tokens >= req.max_tokens:
+            return FinishReason.LENGTH
+        return None
+
+    def _detokenizer(self, req: Request) -> IncrementalDetokenizer:
+        d = self.detokenizers.get(id(req))
+        if d is None:
+            d = self.detokenizers[id(req)] = IncrementalDetokenizer(self.tokenizer, req.params)
+        return d
+
+    def _finish(self, req: Request, reason: FinishReason, out: list[CompletionDelta],
+                delta: CompletionDelta | None = None, error: str | None = None) -> None:
+        if delta is None:
+            delta = CompletionDelta(req.group_id, req.index, [], "")
+        detok = self.detokenizers.pop(id(req), None)
+        if detok is not None and not isinstance(req.stop_reason, str):
+            delta.text += detok.flush()   # a matched stop string already cut the text
+        req.status = RequestStatus.for_finish(reason)
+        req.error = error
+        delta.finish_reason = int(reason)
+        delta.stop_reason = req.stop_reason
+        delta.error = error
+        self.scheduler.remove(req)
+        for sib in req.siblings:   # never forked: they share the leader's fate
+            self._finish(sib, reason, out, error=error)
+        req.siblings = []
+        out.append(delta)
+        group = self.groups.get(req.group_id, [])
+        if all(r.is_finished for r in group):
+            self.groups.pop(req.group_id, None)
+
+    # -- introspection --------------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
+
+
+def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
+    return msgspec.structs.replace(params, seed=seed)

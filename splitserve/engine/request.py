@@ -1,0 +1,118 @@
+"""Request: one sequence's state inside the engine core."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import numpy as np
+import torch
+
+from splitserve.sampling_params import SamplingParams
+from splitserve.tokens import PromptTokens
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    WAITING_FOR_FORK = 1        # an n > 1 sibling: gets the leader's prompt blocks after prefill
+    WAITING_FOR_REMOTE_KV = 2   # generation_only: blocks allocated, KV being pulled from CTX
+    RUNNING = 3
+    PREEMPTED = 4
+    FINISHED_STOPPED = 5
+    FINISHED_LENGTH = 6
+    FINISHED_ABORTED = 7
+    FINISHED_ERROR = 8
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @staticmethod
+    def for_finish(reason: FinishReason) -> RequestStatus:
+        return _FINISHED_STATUS[reason]
+
+
+class FinishReason(enum.IntEnum):
+    STOP = 0
+    LENGTH = 1
+    ABORT = 2
+    ERROR = 3
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+
+_FINISH = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
+}
+_FINISHED_STATUS = {reason: status for status, reason in _FINISH.items()}
+
+
+class Request:
+    """Owned by the engine core. The scheduler moves it between queues; the block manager
+    owns `block_ids`; the sampler reads `params`, `generator` and the token history."""
+
+    def __init__(self, request_id: str, prompt: PromptTokens, params: SamplingParams,
+                 eos_token_ids: tuple[int, ...] = (), max_model_len: int = 1 << 30,
+                 arrival_time: float | None = None):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.params = params
+        self.eos_token_ids = eos_token_ids
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.status = RequestStatus.WAITING
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0     # tokens whose KV is in this request's blocks
+        self.num_cached_tokens = 0       # prompt tokens served from the prefix cache
+        self.block_ids: list[int] = []
+        self.block_hashes: list[bytes] = []   # chained hashes of the full prompt+output blocks
+        self.stop_reason: int | str | None = None  # the stop token id or string that ended it
+        self.error: str | None = None
+        # n > 1: child `index` of group `group_id`; the leader holds its not-yet-forked siblings.
+        self.group_id = request_id
+        self.index = 0
+        self.siblings: list[Request] = []
+        self.prompt_logprobs: list | None = None   # one entry per prompt token, first is None
+        # Output budget, clamped so prompt + output never exceeds the model's context.
+        limit = max_model_len - len(prompt)
+        self.max_tokens = limit if params.max_tokens is None else min(params.max_tokens, limit)
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator().manual_seed(params.seed)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return _FINISH.get(self.status)
+
+    def token_slice(self, start: int, end: int) -> np.ndarray:
+        """int32 token ids at positions [start, end) of prompt + output."""
+        n_prompt = len(self.prompt)
+        if end <= n_prompt:
+            return self.prompt.array[start:end]
+        out = np.asarray(self.output_token_ids[max(start - n_prompt, 0):end - n_prompt], np.int32)
+        if start >= n_prompt:
+            return out
+        return np.concatenate([self.prompt.array[start:], out])
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, {self.status.name}, prompt={len(self.prompt)}, "
+                f"out={len(self.output_token_ids)}, computed={self.num_computed_tokens})")

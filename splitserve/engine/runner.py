@@ -1,0 +1,76 @@
+"""Model runner: turns a scheduled batch into tensors, runs the model, returns logits.
+
+Owns the KV cache tensor. Nothing here decides what to run (scheduler) or what to do with
+the logits (sampler); it only gathers token ids, positions and block tables.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from splitserve.engine.request import Request
+from splitserve.model.attention import build_metadata
+from splitserve.model.config import ModelConfig
+from splitserve.model.llama import LlamaModel
+
+
+@dataclass
+class StepResult:
+    sample_requests: list[Request]             # requests whose last scheduled token is their last
+    logits: torch.Tensor | None                # (len(sample_requests), V) float32
+    # request -> (first position covered, logits (n, V)) for prompt-logprob requests
+    prompt_logits: dict[int, tuple[Request, int, torch.Tensor]] = field(default_factory=dict)
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, cfg: ModelConfig, num_blocks: int, block_size: int,
+                 dtype: torch.dtype):
+        self.model = model
+        self.cfg = cfg
+        self.block_size = block_size
+        # (num_blocks, layers, k|v, block_size, kv_heads, head_dim); see model/attention.py
+        self.kv_cache = torch.zeros(num_blocks, cfg.num_layers, 2, block_size, cfg.num_kv_heads,
+                                    cfg.head_dim, dtype=dtype)
+
+    @staticmethod
+    def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        return block_size * cfg.kv_bytes_per_token(torch.finfo(dtype).bits // 8)
+
+    def copy_block(self, src: int, dst: int) -> None:
+        self.kv_cache[dst] = self.kv_cache[src]
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[tuple[Request, int]]) -> StepResult:
+        """scheduled: (request, number of new tokens), single-token rows first."""
+        ids, positions, decodes, prefills = [], [], [], []
+        for req, n in scheduled:
+            start = req.num_computed_tokens
+            ids.append(req.token_slice(start, start + n))
+            positions.append(np.arange(start, start + n, dtype=np.int64))
+            if n == 1:
+                decodes.append((req.block_ids, start))
+            else:
+                prefills.append((req.block_ids, start, n))
+        meta = build_metadata(self.block_size, decodes, prefills, self.cfg.sliding_window)
+        input_ids = torch.from_numpy(np.concatenate(ids).astype(np.int64))
+        hidden = self.model(input_ids, torch.from_numpy(np.concatenate(positions)), self.kv_cache, meta)
+        return self._logits(scheduled, hidden)
+
+    def _logits(self, scheduled, hidden: torch.Tensor) -> StepResult:
+        rows, sample_requests, prompt_logits, offset = [], [], {}, 0
+        for req, n in scheduled:
+            start = req.num_computed_tokens
+            if start + n == req.num_tokens:
+                rows.append(offset + n - 1)
+                sample_requests.append(req)
+            if req.params.prompt_logprobs is not None and start < req.num_prompt_tokens - 1:
+                # Position p scores prompt token p + 1; the prompt's last position scores
+                # the first generated token instead, which is not a prompt logprob.
+                end = min(start + n, req.num_prompt_tokens - 1)
+                prompt_logits[id(req)] = (req, start, self.model.logits(hidden[offset:offset + end - start]))
+            offset += n
+        logits = self.model.logits(hidden[rows]) if rows else None
+        return StepResult(sample_requests, logits, prompt_logits)

@@ -1,0 +1,107 @@
+"""Token-budget scheduler: continuous batching with chunked prefill, no separate phases.
+
+Each step hands out at most max_num_batched_tokens tokens. Running requests go first (a
+decode needs one token; an unfinished prefill takes the next chunk), then waiting requests
+in arrival order. When blocks run out, the most recently admitted running request is
+preempted: its blocks are freed and it is recomputed later (prefix caching usually gives
+most of them back).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from splitserve.config import SchedulerConfig
+from splitserve.engine.block_manager import BlockManager
+from splitserve.engine.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    # Decodes (one token each) first, then prefill chunks: the order the runner batches in.
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+    def __bool__(self) -> bool:
+        return bool(self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+        self.config = config
+        self.bm = block_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        out.scheduled.sort(key=lambda item: item[1] > 1)   # stable: single-query rows first
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.bm.allocate(req, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    return budget
+            out.scheduled.append((req, n))
+            budget -= n
+            i += 1
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            cached = []
+            if req.num_computed_tokens == 0 and req.params.prompt_logprobs is None:
+                cached = self.bm.find_cached_prefix(req)   # cached tokens would have no logprobs
+            computed = req.num_computed_tokens + len(cached) * self.bm.block_size
+            n = min(req.num_tokens - computed, budget)
+            if not self.bm.allocate(req, n, cached):
+                break
+            self.waiting.popleft()
+            if req.num_output_tokens == 0:
+                req.num_cached_tokens = len(cached) * self.bm.block_size
+            req.num_computed_tokens = computed
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append((req, n))
+            budget -= n
+
+    def _preempt(self, req: Request) -> None:
+        self.bm.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(req)
+
+    def remove(self, req: Request) -> None:
+        """Take a finished or aborted request out of whichever queue holds it; free its blocks."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.bm.free(req)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)

@@ -1,0 +1,118 @@
+"""Offline API: LLM(model=...).generate(prompts, SamplingParams) and LLM.chat(messages)."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from splitserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from splitserve.engine.core import EngineCore
+from splitserve.engine.request import FinishReason
+from splitserve.errors import InvalidRequestError
+from splitserve.protocol.engine import CompletionDelta, Logprob
+from splitserve.sampling_params import SamplingParams
+from splitserve.tokens import PromptTokens
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Logprob] | None = None
+    finish_reason: str | None = None       # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None
+    error: str | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: PromptTokens
+    outputs: list[CompletionOutput]
+    prompt_logprobs: list[Logprob | None] | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(o.finish_reason is not None for o in self.outputs)
+
+    def add(self, delta: CompletionDelta) -> None:
+        out = self.outputs[delta.index]
+        out.text += delta.text
+        out.token_ids.extend(delta.token_ids)
+        if delta.logprobs is not None:
+            out.logprobs = (out.logprobs or []) + delta.logprobs
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
+        if delta.num_prompt_tokens:
+            self.num_cached_tokens = delta.num_cached_tokens
+        if delta.finish_reason is not None:
+            out.finish_reason = str(FinishReason(delta.finish_reason))
+            out.stop_reason, out.error = delta.stop_reason, delta.error
+
+
+class LLM:
+    def __init__(self, model: str | None = None, *, dtype: str = "bfloat16",
+                 max_model_len: int | None = None, block_size: int = 16,
+                 num_blocks: int | None = None, kv_cache_memory_bytes: int = 2 << 30,
+                 enable_prefix_caching: bool = True, max_num_batched_tokens: int = 512,
+                 max_num_seqs: int = 64, seed: int | None = None, num_threads: int | None = None):
+        config = EngineConfig(
+            model=model, dtype=dtype, max_model_len=max_model_len, num_threads=num_threads, seed=seed,
+            cache=CacheConfig(block_size, num_blocks, kv_cache_memory_bytes, enable_prefix_caching),
+            scheduler=SchedulerConfig(max_num_batched_tokens, max_num_seqs))
+        self.engine = EngineCore(config)
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        """prompts: a string, a token-id list, a PromptTokens, or a list of those."""
+        if isinstance(prompts, (str, PromptTokens)) or _is_token_ids(prompts):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise InvalidRequestError("need one SamplingParams per prompt", "sampling_params")
+        results = [self._add(p, sp) for p, sp in zip(prompts, params)]
+        return self._run(results)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | None = None, add_generation_prompt: bool = True
+             ) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.tokenizer.apply_chat_template(m, add_generation_prompt=add_generation_prompt)
+                   for m in conversations]
+        tokens = [PromptTokens(self.tokenizer.encode(p, add_special_tokens=False)) for p in prompts]
+        results = [self._add(t, sampling_params or SamplingParams(), text=p)
+                   for t, p in zip(tokens, prompts)]
+        return self._run(results)
+
+    def _add(self, prompt, params: SamplingParams, text: str | None = None) -> RequestOutput:
+        if isinstance(prompt, str):
+            text, prompt = prompt, PromptTokens(self.tokenizer.encode(prompt))
+        elif not isinstance(prompt, PromptTokens):
+            prompt = PromptTokens.from_list(prompt)
+        request_id = str(next(self._ids))
+        self.engine.add_request(request_id, prompt, params)
+        return RequestOutput(request_id, text, prompt, [CompletionOutput(i) for i in range(params.n)])
+
+    def _run(self, results: list[RequestOutput]) -> list[RequestOutput]:
+        by_id = {r.request_id: r for r in results}
+        try:
+            while any(not r.finished for r in results):
+                for delta in self.engine.step():
+                    if delta.request_id in by_id:
+                        by_id[delta.request_id].add(delta)
+        finally:   # an interrupted run leaves no request holding blocks
+            for r in results:
+                if not r.finished:
+                    self.engine.abort_request(r.request_id)
+            self.engine.step()
+        return results
+
+
+def _is_token_ids(x) -> bool:
+    return isinstance(x, list) and bool(x) and all(isinstance(t, int) for t in x)

@@ -1,0 +1,193 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) over a paged KV cache.
+
+Tokens of a step arrive flattened: (T,) ids and positions for all sequences together, so
+every linear layer runs once per step on the whole batch. Only attention is per-sequence
+(splitserve/model/attention.py).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from splitserve.errors import ModelLoadError
+from splitserve.model.attention import AttentionMetadata, paged_attention
+from splitserve.model.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalize in float32 whatever the weights' dtype (as the reference implementation does).
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Rotary:
+    """RoPE in the rotate-half layout; cos/sin computed per step from the positions."""
+
+    def __init__(self, cfg: ModelConfig):
+        d = cfg.head_dim
+        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+        if cfg.rope_scaling is not None:
+            inv_freq = _llama3_scale(inv_freq, cfg.rope_scaling)
+        self.inv_freq = inv_freq.float()
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
+        freqs = positions.float().unsqueeze(1) * self.inv_freq.unsqueeze(0)    # (T, D/2)
+        emb = torch.cat([freqs, freqs], dim=-1).unsqueeze(1)                   # (T, 1, D)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _llama3_scale(inv_freq: torch.Tensor, rs) -> torch.Tensor:
+    low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
+    high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / rs.factor, inv_freq)
+    smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
+        rs.high_freq_factor - rs.low_freq_factor)
+    mid = (1 - smooth) * scaled / rs.factor + smooth * scaled
+    is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(is_mid, mid, scaled)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int):
+        super().__init__()
+        self.index = index
+        self.cfg = cfg
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # q, k, v fused into one matmul; gate and up likewise.
+        self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.scale = cfg.head_dim ** -0.5
+
+    def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata):
+        cfg = self.cfg
+        t = x.shape[0]
+        h = self.input_layernorm(x)
+        q, k, v = self.qkv_proj(h).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q = _rotate(q.view(t, cfg.num_heads, cfg.head_dim), cos, sin)          # (T, H, D)
+        k = _rotate(k.view(t, cfg.num_kv_heads, cfg.head_dim), cos, sin)       # (T, KVH, D)
+        v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
+        attn = paged_attention(q, k, v, kv_cache, self.index, meta, self.scale)
+        x = x + self.o_proj(attn.reshape(t, cfg.q_size))
+        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
+        return x + self.down_proj(F.silu(gate) * up)
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary = Rotary(cfg)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions (T,) -> final hidden states (T, hidden)."""
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, kv_cache, meta)
+        return self.norm(x)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(N, hidden) -> (N, vocab) float32."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up as they arrive."""
+        params = dict(self.named_parameters())
+        loaded = set()
+        for name, tensor in weights:
+            target, rows = _map_name(self.cfg, name)
+            if target is None:
+                continue
+            if target not in params:
+                raise ModelLoadError(f"weight {name} has no place in the model")
+            dst = params[target].data
+            dst = dst if rows is None else dst[rows[0]:rows[1]]
+            if dst.shape != tensor.shape:
+                raise ModelLoadError(f"weight {name}: shape {tuple(tensor.shape)}, "
+                                     f"expected {tuple(dst.shape)}")
+            dst.copy_(tensor)
+            loaded.add(name)
+        missing = set(_expected_names(self.cfg)) - loaded
+        if missing:
+            raise ModelLoadError(f"checkpoint lacks {len(missing)} weights, e.g. {sorted(missing)[:3]}")
+
+
+def _map_name(cfg: ModelConfig, name: str):
+    """HF name -> (our parameter name, row range inside a fused parameter or None)."""
+    if name.endswith("rotary_emb.inv_freq"):
+        return None, None
+    name = name.removeprefix("model.")
+    q, kv, ff = cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    fused = {
+        "self_attn.q_proj": ("qkv_proj", (0, q)),
+        "self_attn.k_proj": ("qkv_proj", (q, q + kv)),
+        "self_attn.v_proj": ("qkv_proj", (q + kv, q + 2 * kv)),
+        "mlp.gate_proj": ("gate_up_proj", (0, ff)),
+        "mlp.up_proj": ("gate_up_proj", (ff, 2 * ff)),
+        "self_attn.o_proj": ("o_proj", None),
+        "mlp.down_proj": ("down_proj", None),
+    }
+    if name.startswith("layers."):
+        _, idx, rest = name.split(".", 2)
+        module, _, kind = rest.rpartition(".")
+        if module in fused:
+            target, rows = fused[module]
+            return f"layers.{idx}.{target}.{kind}", rows
+        return f"layers.{idx}.{rest}", None
+    if name == "lm_head.weight" and cfg.tie_word_embeddings:
+        return None, None
+    return name, None
+
+
+def _expected_names(cfg: ModelConfig) -> list[str]:
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not cfg.tie_word_embeddings:
+        names.append("lm_head.weight")
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+        names += [p + f"self_attn.{m}_proj.weight" for m in "qkvo"]
+        names += [p + f"mlp.{m}_proj.weight" for m in ("gate", "up", "down")]
+        if cfg.attention_bias:
+            names += [p + f"self_attn.{m}_proj.bias" for m in "qkv"]
+    return names
+
+
+def build_model(cfg: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]],
+                dtype: torch.dtype) -> LlamaModel:
+    with torch.device("meta"):
+        model = LlamaModel(cfg)
+    model = model.to_empty(device="cpu")
+    model.rotary = Rotary(cfg)
+    model.load_weights(weights)
+    return model.to(dtype).eval()

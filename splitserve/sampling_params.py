@@ -1,0 +1,81 @@
+"""SamplingParams: what a request samples with. A msgspec Struct so the same object is the
+offline API's argument and the front-end -> engine wire type; validated on construction."""
+
+from __future__ import annotations
+
+import msgspec
+
+from splitserve.errors import InvalidRequestError
+
+_MAX_LOGPROBS = 20
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    n: int = 1
+    max_tokens: int | None = 16          # None: up to the model's context
+    min_tokens: int = 0
+    temperature: float = 1.0             # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0                       # 0 or -1: off
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0      # reads prompt and generated tokens
+    frequency_penalty: float = 0.0       # OpenAI: generated tokens only
+    presence_penalty: float = 0.0        # OpenAI: generated tokens only
+    logit_bias: dict[int, float] | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None          # alternatives per generated token; 0: sampled only
+    prompt_logprobs: int | None = None   # alternatives per prompt token; 0: prompt token only
+    skip_special_tokens: bool = True
+
+    def __post_init__(self):
+        _check(self.n >= 1, "n must be at least 1", "n")
+        _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens must be at least 1",
+               "max_tokens")
+        _check(self.min_tokens >= 0, "min_tokens must be non-negative", "min_tokens")
+        _check(self.max_tokens is None or self.min_tokens <= self.max_tokens,
+               "min_tokens must not exceed max_tokens", "min_tokens")
+        _check(0.0 <= self.temperature <= 100.0, "temperature must be in [0, 100]", "temperature")
+        _check(0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]", "top_p")
+        _check(self.top_k >= -1, "top_k must be -1, 0 (off) or positive", "top_k")
+        _check(0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]", "min_p")
+        _check(0.0 < self.repetition_penalty <= 10.0, "repetition_penalty must be in (0, 10]",
+               "repetition_penalty")
+        _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]",
+               "frequency_penalty")
+        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]",
+               "presence_penalty")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(value is None or 0 <= value <= _MAX_LOGPROBS,
+                   f"{name} must be between 0 and {_MAX_LOGPROBS}", name)
+        if self.logit_bias:
+            for tok, bias in self.logit_bias.items():
+                _check(-100.0 <= bias <= 100.0, f"logit_bias for token {tok} must be in [-100, 100]",
+                       "logit_bias")
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty",
+               "stop")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def needs_token_counts(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
+                or self.presence_penalty != 0.0)
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Token ids the caller named must exist; checked where the vocabulary is known."""
+        for name, ids in (("logit_bias", self.logit_bias or ()), ("stop_token_ids", self.stop_token_ids)):
+            bad = [t for t in ids if not 0 <= int(t) < vocab_size]
+            _check(not bad, f"{name} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}",
+                   name)
+
+
+def _check(ok: bool, message: str, param: str) -> None:
+    if not ok:
+        raise InvalidRequestError(message, param)

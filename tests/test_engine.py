@@ -1,0 +1,235 @@
+"""The paged, batched engine against a naive full-recompute forward (tests/reference_model.py)."""
+
+import numpy as np
+import pytest
+import torch
+
+from splitserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from splitserve.engine.core import EngineCore
+from splitserve.engine.request import FinishReason
+from splitserve.errors import InvalidRequestError
+from splitserve.llm import RequestOutput, CompletionOutput
+from splitserve.model.loader import load_model_source
+from splitserve.sampling_params import SamplingParams
+from splitserve.tokens import PromptTokens
+
+from reference_model import ReferenceModel
+
+
+@pytest.fixture(scope="module")
+def source():
+    return load_model_source("tiny-random")
+
+
+@pytest.fixture(scope="module")
+def reference(source):
+    return ReferenceModel(source, dtype=torch.float32)
+
+
+@pytest.fixture
+def make_engine(source):
+    engines = []
+
+    def make(num_blocks=256, block_size=4, budget=64, max_seqs=16, prefix=True, **kw):
+        cfg = EngineConfig(model="tiny-random", dtype="float32", seed=0,
+                           cache=CacheConfig(block_size, num_blocks, enable_prefix_caching=prefix),
+                           scheduler=SchedulerConfig(budget, max_seqs), **kw)
+        engine = EngineCore(cfg, source)
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:   # every test must leave every block free
+        bm = engine.block_manager
+        assert not engine.has_unfinished_requests()
+        assert bm.num_free_blocks == bm.num_blocks and not any(bm.ref_counts)
+
+
+def prompts(lengths, seed=0, vocab=49152):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, vocab, n).astype(np.int32) for n in lengths]
+
+
+def run(engine, items, params):
+    """items: token arrays; returns RequestOutputs, stepping until all finish."""
+    params = params if isinstance(params, list) else [params] * len(items)
+    results = {}
+    for i, (toks, p) in enumerate(zip(items, params)):
+        engine.add_request(f"r{i}", PromptTokens(toks), p)
+        results[f"r{i}"] = RequestOutput(f"r{i}", None, PromptTokens(toks),
+                                         [CompletionOutput(j) for j in range(p.n)])
+    steps = 0
+    while engine.has_unfinished_requests():
+        for delta in engine.step():
+            results[delta.request_id].add(delta)
+        steps += 1
+        assert steps < 10_000
+    return [results[f"r{i}"] for i in range(len(items))]
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+
+def expected(reference, items, max_tokens=10):
+    return [reference.greedy(t.tolist(), max_tokens, eos_ids=()) for t in items]
+
+
+@pytest.mark.parametrize("budget", [64, 7])   # 7: prompts prefill in several chunks
+def test_greedy_batch_matches_reference(make_engine, reference, budget):
+    items = prompts([1, 5, 17, 40, 3, 23])
+    outs = run(make_engine(budget=budget), items, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == expected(reference, items)
+    assert all(o.outputs[0].finish_reason == "length" for o in outs)
+
+
+def test_prefix_cache_hits_give_same_output(make_engine, reference):
+    engine = make_engine()
+    shared = prompts([32])[0]
+    first = np.concatenate([shared, prompts([5], seed=1)[0]])
+    second = np.concatenate([shared, prompts([9], seed=2)[0]])
+    run(engine, [first], GREEDY)
+    out = run(engine, [second], GREEDY)[0]
+    assert out.num_cached_tokens == 32
+    assert out.outputs[0].token_ids == expected(reference, [second])[0]
+
+
+def test_preemption_recomputes_exactly(make_engine, reference):
+    # 24 blocks of 4 tokens cannot hold four 30-token sequences at once.
+    engine = make_engine(num_blocks=24, prefix=False)
+    items = prompts([14, 18, 12, 16], seed=3)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    preempted = []
+    orig = engine.scheduler._preempt
+    engine.scheduler._preempt = lambda r: (preempted.append(r.request_id), orig(r))
+    outs = run(engine, items, params)
+    assert preempted, "the test must actually preempt"
+    assert [o.outputs[0].token_ids for o in outs] == expected(reference, items, 16)
+
+
+def test_prompt_logprobs_match_reference_logits(make_engine, reference):
+    items = prompts([21], seed=4)
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2, logprobs=3)
+    out = run(make_engine(budget=8), items, params)[0]
+    ref = torch.log_softmax(reference.logits(items[0].tolist()), dim=-1)   # (T, V)
+    plp = out.prompt_logprobs
+    assert plp[0] is None and len(plp) == 21
+    for pos in range(1, 21):
+        assert plp[pos].token_id == items[0][pos]
+        assert plp[pos].logprob == pytest.approx(ref[pos - 1, items[0][pos]].item(), abs=1e-4)
+        top = torch.topk(ref[pos - 1], 2)
+        assert [t for t, _ in plp[pos].top] == top.indices.tolist()
+    lp = out.outputs[0].logprobs[0]
+    assert lp.rank == 1 and lp.token_id == int(ref[-1].argmax())
+    assert lp.logprob == pytest.approx(ref[-1].max().item(), abs=1e-4)
+    assert len(lp.top) == 3
+
+
+def test_seeded_sampling_is_reproducible_in_any_batch(make_engine):
+    items = prompts([9, 13, 6], seed=5)
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=8, ignore_eos=True)
+    other = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
+    engine = make_engine()
+    alone = run(engine, [items[1]], seeded)[0].outputs[0].token_ids
+    batched = run(engine, items, [other, seeded, other])[1].outputs[0].token_ids
+    assert alone == batched
+
+
+def test_n_siblings_share_prompt_blocks(make_engine, reference):
+    engine = make_engine()
+    items = prompts([10], seed=6)
+    shared_refs = []
+    orig = engine._fork_siblings
+
+    def spy(leader):
+        forked = orig(leader)
+        if forked:
+            shared_refs.append(engine.block_manager.ref_counts[leader.block_ids[0]])
+        return forked
+
+    engine._fork_siblings = spy
+    out = run(engine, items, SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=12,
+                                            ignore_eos=True))[0]
+    assert shared_refs == [3]
+    seqs = [o.token_ids for o in out.outputs]
+    assert len({tuple(s) for s in seqs}) == 3, "siblings with different seeds must differ"
+    greedy = run(engine, items, SamplingParams(n=2, temperature=0, max_tokens=10, ignore_eos=True))[0]
+    assert [o.token_ids for o in greedy.outputs] == expected(reference, items) * 2
+
+
+def test_stop_token_and_stop_string(make_engine, source):
+    engine = make_engine()
+    items = prompts([12], seed=8)
+    base = run(engine, items, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+    toks, text = base.outputs[0].token_ids, base.outputs[0].text
+    stop_tok = toks[4]
+    first = toks.index(stop_tok)
+    out = run(engine, items, SamplingParams(temperature=0, max_tokens=12, stop_token_ids=(stop_tok,)))[0]
+    assert out.outputs[0].token_ids == toks[:first + 1]
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop_tok
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    cut = text.index(stop)
+    out = run(engine, items, SamplingParams(temperature=0, max_tokens=12, stop=(stop,)))[0].outputs[0]
+    assert out.text == text[:cut] and out.stop_reason == stop and out.finish_reason == "stop"
+    out = run(engine, items, SamplingParams(temperature=0, max_tokens=12, stop=(stop,),
+                                            include_stop_str_in_output=True))[0].outputs[0]
+    assert out.text == text[:cut + len(stop)]
+
+
+def test_eos_stops_unless_ignored_and_min_tokens_delays_it(make_engine, reference, source):
+    engine = make_engine()
+    items = prompts([8], seed=9)
+    toks = expected(reference, items, 6)[0]
+    eos = toks[2]   # pretend the model's third greedy token is an end-of-sequence token
+    engine.model_config = type(engine.model_config)(**{**engine.model_config.__dict__, "eos_token_ids": (eos,)})
+    out = run(engine, items, SamplingParams(temperature=0, max_tokens=6))[0].outputs[0]
+    assert out.token_ids == toks[:3] and out.finish_reason == "stop"
+    out = run(engine, items, SamplingParams(temperature=0, max_tokens=6, min_tokens=4))[0].outputs[0]
+    assert eos not in out.token_ids[:4]
+    out = run(engine, items, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0].outputs[0]
+    assert out.token_ids == toks and out.finish_reason == "length"
+
+
+def test_frequency_penalty_reduces_repetition(make_engine):
+    engine = make_engine()
+    items = prompts([6], seed=10)
+    plain = run(engine, items, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0]
+    penal = run(engine, items, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
+                                              frequency_penalty=2.0, presence_penalty=2.0))[0]
+    distinct = lambda o: len(set(o.outputs[0].token_ids))
+    assert distinct(penal) > distinct(plain)
+
+
+def test_abort_frees_blocks(make_engine):
+    engine = make_engine()
+    engine.add_request("a", PromptTokens(prompts([30])[0]), SamplingParams(max_tokens=100, ignore_eos=True))
+    engine.step()
+    engine.step()
+    assert engine.block_manager.num_used_blocks > 0
+    engine.abort_request("a")
+    deltas = engine.step()
+    assert any(d.request_id == "a" and d.finish_reason == FinishReason.ABORT for d in deltas)
+
+
+@pytest.mark.parametrize("prompt, params, param", [
+    ([], SamplingParams(), "prompt"),
+    ([5, 49152], SamplingParams(), "prompt"),
+    ([5, -1], SamplingParams(), "prompt"),
+    (list(range(3, 2000)), SamplingParams(), "prompt"),
+    ([5, 6], SamplingParams(logit_bias={10**6: 1.0}), "logit_bias"),
+])
+def test_bad_requests_are_rejected_with_the_parameter_named(make_engine, prompt, params, param):
+    engine = make_engine(max_model_len=1024)
+    with pytest.raises(InvalidRequestError) as err:
+        engine.add_request("x", PromptTokens.from_list(prompt), params)
+    assert err.value.param == param
+    assert run(engine, prompts([4]), GREEDY)[0].outputs[0].finish_reason == "length"
+
+
+def test_failed_request_ends_with_error_and_engine_keeps_serving(make_engine):
+    engine = make_engine()
+    # A length-only prompt has no values to prefill from: its step fails loudly.
+    engine.add_request("bad", PromptTokens.placeholder(8), GREEDY)
+    deltas = engine.step()
+    assert deltas[0].finish_reason == FinishReason.ERROR and "length-only" in deltas[0].error
+    out = run(engine, prompts([5]), GREEDY)[0]
+    assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 10
