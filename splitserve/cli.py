@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 
@@ -23,6 +24,42 @@ def _chat(args) -> int:
     return 0
 
 
+def _engine_config(args):
+    from splitserve import envs
+    from splitserve.config import CacheConfig, EngineConfig, SchedulerConfig
+    return EngineConfig(
+        model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+        num_threads=args.threads or envs.num_threads(), seed=args.seed,
+        cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
+                          memory_bytes=int(args.kv_cache_gib * (1 << 30)),
+                          enable_prefix_caching=not args.no_prefix_caching),
+        scheduler=SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs))
+
+
+def _add_engine_arguments(p) -> None:
+    p.add_argument("--model", default=None,
+                   help="HF folder, .gguf file, 'tiny-random' (default: bundled SmolLM2-135M)")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--threads", type=int, default=None, help="torch threads of the engine")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-blocks", type=int, default=None)
+    p.add_argument("--kv-cache-gib", type=float, default=1.0)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+
+
+def _serve(args) -> int:
+    from splitserve.server.app import serve
+    from splitserve.server.config import ServerConfig
+    serve(ServerConfig(host=args.host, port=args.port, role=args.role,
+                       served_model_name=args.served_model_name,
+                       max_body_bytes=args.max_body_bytes, engine=_engine_config(args)))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitserve", description=__doc__)
     parser.add_argument("--log-level", default="INFO")
@@ -36,6 +73,15 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--max-tokens", type=int, default=128)
     chat.set_defaults(func=_chat)
 
+    serve = sub.add_parser("serve", help="run one worker: OpenAI HTTP front-end + engine")
+    _add_engine_arguments(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--role", default="agg", choices=["agg", "ctx", "gen"])
+    serve.add_argument("--served-model-name", default=None)
+    serve.add_argument("--max-body-bytes", type=int, default=64 << 20)
+    serve.set_defaults(func=_serve)
+
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_cmd", required=True)
     from splitserve.bench import engine
@@ -46,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    os.environ.setdefault("SPLITSERVE_LOG_LEVEL", args.log_level.upper())   # engine processes
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(message)s")
     return args.func(args)
 

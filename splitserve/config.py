@@ -18,7 +18,7 @@ def _require(ok: bool, message: str) -> None:
 class CacheConfig:
     block_size: int = 16
     num_blocks: int | None = None          # None: derived from memory_bytes
-    memory_bytes: int = 2 << 30            # KV cache budget when num_blocks is None
+    memory_bytes: int = 1 << 30            # KV cache budget when num_blocks is None
     enable_prefix_caching: bool = True
 
     def __post_init__(self):

@@ -171,6 +171,8 @@ class EngineCore:
             delta.prompt_logprobs = req.prompt_logprobs
             delta.num_prompt_tokens = req.num_prompt_tokens
             delta.num_cached_tokens = req.num_cached_tokens
+            if req.first_scheduled_time is not None:
+                delta.queue_time = req.first_scheduled_time - req.arrival_time
         reason = self._check_stop(req, token, delta)
         if reason is not None:
             self._finish(req, reason, out, delta)

@@ -64,6 +64,7 @@ class Request:
         self.eos_token_ids = eos_token_ids
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.status = RequestStatus.WAITING
+        self.first_scheduled_time: float | None = None   # for queue-time metrics
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0     # tokens whose KV is in this request's blocks
         self.num_cached_tokens = 0       # prompt tokens served from the prefix cache

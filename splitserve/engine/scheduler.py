@@ -9,6 +9,7 @@ most of them back).
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -80,6 +81,8 @@ class Scheduler:
                 req.num_cached_tokens = len(cached) * self.bm.block_size
             req.num_computed_tokens = computed
             req.status = RequestStatus.RUNNING
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
             self.running.append(req)
             out.scheduled.append((req, n))
             budget -= n

@@ -1,8 +1,13 @@
-"""Messages from the engine core to its clients (in-process or over ZeroMQ)."""
+"""Messages between a worker's front-end and its engine-core process (ZeroMQ, msgpack).
+
+Prompt token ids never ride inside these Structs: an AddRequest is followed by one raw
+little-endian int32 frame (empty for a length-only placeholder)."""
 
 from __future__ import annotations
 
 import msgspec
+
+from splitserve.sampling_params import SamplingParams
 
 
 class Logprob(msgspec.Struct, array_like=True):
@@ -25,4 +30,57 @@ class CompletionDelta(msgspec.Struct, omit_defaults=True):
     stop_reason: int | str | None = None                 # the stop token id or string
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    queue_time: float = 0.0                              # seconds waiting before first scheduled
     error: str | None = None
+    error_param: str | None = None                       # set when the engine rejected the input
+
+
+# -- front-end -> engine core ----------------------------------------------------------------
+class AddRequest(msgspec.Struct, tag="add"):
+    request_id: str
+    params: SamplingParams
+    prompt_len: int
+    placeholder: bool = False          # length-only prompt: no token frame values
+    arrival_time: float = 0.0          # time.time() when the front-end received the request
+
+
+class AbortRequests(msgspec.Struct, tag="abort"):
+    request_ids: list[str]
+
+
+class Shutdown(msgspec.Struct, tag="shutdown"):
+    pass
+
+
+EngineInput = AddRequest | AbortRequests | Shutdown
+
+
+# -- engine core -> front-end ----------------------------------------------------------------
+class EngineStats(msgspec.Struct, array_like=True):
+    num_running: int
+    num_waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+
+
+class EngineReady(msgspec.Struct, tag="ready"):
+    model_name: str
+    dtype: str
+    vocab_size: int
+    max_model_len: int
+    num_blocks: int
+    block_size: int
+
+
+class EngineOutputs(msgspec.Struct, tag="outputs"):
+    deltas: list[CompletionDelta]
+    stats: EngineStats
+
+
+class EngineDead(msgspec.Struct, tag="dead"):
+    reason: str
+
+
+EngineOutput = EngineReady | EngineOutputs | EngineDead

@@ -1,0 +1,136 @@
+"""The engine-core process: EngineCore.step() in the main thread, ZeroMQ in two I/O threads.
+
+The I/O threads only decode and encode messages, so a slow front-end never stalls a step
+and a step never delays reading the next request. Protocol: splitserve/protocol/engine.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+
+import msgspec
+import zmq
+
+from splitserve import envs
+from splitserve.config import EngineConfig
+from splitserve.engine.core import EngineCore
+from splitserve.errors import InvalidRequestError
+from splitserve.protocol.engine import (
+    AbortRequests, AddRequest, CompletionDelta, EngineDead, EngineInput, EngineOutputs,
+    EngineReady, EngineStats, Shutdown)
+from splitserve.engine.request import FinishReason
+from splitserve.tokens import PromptTokens
+
+logger = logging.getLogger(__name__)
+
+
+def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
+                    log_prefix: str = "engine") -> None:
+    """Process entry point. Ends on Shutdown, on SIGTERM, or when the parent dies."""
+    logging.basicConfig(level=envs.log_level(),
+                        format=f"%(asctime)s %(levelname)s {log_prefix} %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # the front-end decides when we stop
+    ctx = zmq.Context()
+    out_q: queue.Queue = queue.Queue()
+    in_q: queue.Queue = queue.Queue()
+    threading.Thread(target=_send_loop, args=(ctx, output_addr, out_q), daemon=True).start()
+    try:
+        engine = EngineCore(config)
+    except Exception as exc:
+        logger.exception("engine failed to start")
+        out_q.put(EngineDead(f"engine failed to start: {exc}"))
+        out_q.put(None)
+        time.sleep(1.0)
+        return
+    bm = engine.block_manager
+    dtype = str(engine.runner.kv_cache.dtype).removeprefix("torch.")
+    out_q.put(EngineReady(engine.model_config.name, dtype, engine.model_config.vocab_size,
+                          engine.max_model_len, bm.num_blocks, bm.block_size))
+    threading.Thread(target=_recv_loop, args=(ctx, input_addr, in_q), daemon=True).start()
+    parent = os.getppid()
+    try:
+        _step_loop(engine, in_q, out_q, parent)
+    finally:
+        out_q.put(None)
+        time.sleep(0.1)
+
+
+def _step_loop(engine: EngineCore, in_q: queue.Queue, out_q: queue.Queue, parent: int) -> None:
+    while True:
+        busy = engine.has_unfinished_requests()
+        try:
+            # Idle: block (with a timeout to notice a dead parent); busy: only drain.
+            item = in_q.get_nowait() if busy else in_q.get(timeout=1.0)
+        except queue.Empty:
+            item = None
+        deltas: list[CompletionDelta] = []
+        while item is not None:
+            if isinstance(item, Shutdown):
+                return
+            _handle(engine, item, deltas)
+            item = in_q.get_nowait() if not in_q.empty() else None
+        if os.getppid() != parent:
+            logger.warning("front-end process died; engine exiting")
+            return
+        if engine.has_unfinished_requests() or engine.pending:
+            deltas.extend(engine.step())
+        if deltas:
+            out_q.put(EngineOutputs(deltas, _stats(engine)))
+
+
+def _handle(engine: EngineCore, item, deltas: list[CompletionDelta]) -> None:
+    if isinstance(item, AbortRequests):
+        for rid in item.request_ids:
+            engine.abort_request(rid)
+        return
+    msg, frame = item
+    try:
+        if msg.placeholder:
+            prompt = PromptTokens.placeholder(msg.prompt_len)
+        else:
+            prompt = PromptTokens.from_bytes(frame)
+            if len(prompt) != msg.prompt_len:
+                raise InvalidRequestError(f"prompt_len {msg.prompt_len} does not match the "
+                                          f"{len(prompt)} prompt tokens sent", "prompt_len")
+        engine.add_request(msg.request_id, prompt, msg.params)
+    except InvalidRequestError as exc:
+        deltas.append(CompletionDelta(msg.request_id, 0, [], "", finish_reason=int(FinishReason.ERROR),
+                                      error=exc.message, error_param=exc.param or ""))
+
+
+def _stats(engine: EngineCore) -> EngineStats:
+    bm = engine.block_manager
+    return EngineStats(engine.num_running, engine.num_waiting, bm.num_used_blocks, bm.num_blocks,
+                       bm.prefix_queries, bm.prefix_hits)
+
+
+def _recv_loop(ctx: zmq.Context, addr: str, in_q: queue.Queue) -> None:
+    sock = ctx.socket(zmq.PULL)
+    sock.connect(addr)
+    decoder = msgspec.msgpack.Decoder(EngineInput)
+    while True:
+        frames = sock.recv_multipart(copy=False)
+        try:
+            msg = decoder.decode(frames[0].buffer)
+        except msgspec.DecodeError:
+            logger.exception("dropped an undecodable message")
+            continue
+        if isinstance(msg, AddRequest):
+            in_q.put((msg, frames[1].buffer if len(frames) > 1 else b""))
+        else:
+            in_q.put(msg)
+
+
+def _send_loop(ctx: zmq.Context, addr: str, out_q: queue.Queue) -> None:
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 1000)
+    sock.connect(addr)
+    encoder = msgspec.msgpack.Encoder()
+    while (msg := out_q.get()) is not None:
+        sock.send(encoder.encode(msg), copy=False)
+    sock.close()

@@ -1,0 +1,276 @@
+"""OpenAI request bodies (/v1/completions, /v1/chat/completions) as msgspec Structs.
+
+Decoding checks types and shapes (`decode_*`); `.sampling_params()` maps the request onto
+SamplingParams, which checks value ranges. Both raise InvalidRequestError naming the
+offending parameter, so the HTTP layer answers 400 without guessing. Unknown fields are
+ignored, as OpenAI-compatible servers do; `unknown_fields` lists them for a debug log."""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+import msgspec
+
+from splitserve.errors import InvalidRequestError
+from splitserve.protocol.disagg import DisaggregatedParams
+from splitserve.sampling_params import SamplingParams
+
+MAX_N = 128
+MAX_STOP = 16
+MAX_TOP_LOGPROBS = 20
+
+
+class StreamOptions(msgspec.Struct, kw_only=True, omit_defaults=True):
+    include_usage: bool | None = None
+
+
+class _BaseRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Fields both endpoints share. Optional fields accept an explicit null (clients send
+    them) and mean the default."""
+    model: str | None = None
+    n: int | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None    # token id (as JSON key) -> bias
+    seed: int | None = None
+    user: str | None = None
+    # vLLM-style extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    prompt_logprobs: int | None = None
+    disaggregated_params: DisaggregatedParams | None = None
+
+    def __post_init__(self):
+        _check(self.n is None or self.n <= MAX_N, f"n must be at most {MAX_N}", "n")
+        _check(not isinstance(self.stop, list) or len(self.stop) <= MAX_STOP,
+               f"at most {MAX_STOP} stop strings are supported", "stop")
+        _check(self.prompt_logprobs is None or not self.stream,
+               "prompt_logprobs is not supported with stream", "prompt_logprobs")
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                         prompt_logprobs: int | None) -> SamplingParams:
+        def pick(value, default):
+            return default if value is None else value
+        return SamplingParams(
+            n=pick(self.n, 1), max_tokens=max_tokens, min_tokens=pick(self.min_tokens, 0),
+            temperature=pick(self.temperature, 1.0), top_p=pick(self.top_p, 1.0),
+            top_k=pick(self.top_k, 0), min_p=pick(self.min_p, 0.0), seed=self.seed,
+            repetition_penalty=pick(self.repetition_penalty, 1.0),
+            frequency_penalty=pick(self.frequency_penalty, 0.0),
+            presence_penalty=pick(self.presence_penalty, 0.0),
+            logit_bias=_logit_bias(self.logit_bias),
+            stop=(self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ()),
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            include_stop_str_in_output=bool(self.include_stop_str_in_output),
+            ignore_eos=bool(self.ignore_eos), logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=pick(self.skip_special_tokens, True))
+
+
+class CompletionRequest(_BaseRequest, kw_only=True, omit_defaults=True):
+    # msgspec allows one array-like type per union: homogeneity is checked in __post_init__.
+    prompt: str | list[str | int | list[int]]
+    max_tokens: int | None = 16               # null: up to the model's context
+    logprobs: int | None = None               # alternatives per token, 0..20
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check_prompt(self.prompt)
+        _check(not self.suffix, "suffix is not supported", "suffix")
+        _check(self.best_of is None or self.best_of == (self.n or 1),
+               "best_of is not supported (it must equal n)", "best_of")
+
+    def prompts(self) -> list[str] | list[list[int]]:
+        """The prompts as a list of strings or a list of token-id lists."""
+        p = self.prompt
+        return [p] if isinstance(p, str) or isinstance(p[0], int) else p
+
+    def sampling_params(self) -> SamplingParams:
+        prompt_logprobs = self.prompt_logprobs
+        if self.echo and self.logprobs is not None:   # echo shows the prompt tokens' logprobs
+            prompt_logprobs = max(self.logprobs, prompt_logprobs or 0)
+        return self._sampling_params(self.max_tokens, self.logprobs, prompt_logprobs)
+
+
+class ContentPart(msgspec.Struct, kw_only=True):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None   # a list of parts is flattened to a str
+    name: str | None = None
+
+    def __post_init__(self):
+        if isinstance(self.content, list):
+            for i, part in enumerate(self.content):
+                _check(part.type == "text" and part.text is not None,
+                       f"content part type {part.type!r} is not supported (only 'text')",
+                       f"content[{i}]")
+            self.content = "\n".join(part.text for part in self.content)
+
+    def to_dict(self) -> dict:
+        """What the chat template reads."""
+        msg = {"role": self.role, "content": self.content or ""}
+        if self.name is not None:
+            msg["name"] = self.name
+        return msg
+
+
+class ChatCompletionRequest(_BaseRequest, kw_only=True, omit_defaults=True):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None             # deprecated by OpenAI: max_completion_tokens wins
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check(bool(self.messages), "messages must not be empty", "messages")
+        _check(self.top_logprobs is None or 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
+               f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}", "top_logprobs")
+        _check(bool(self.logprobs) or not self.top_logprobs,
+               "top_logprobs requires logprobs to be true", "top_logprobs")
+
+    def conversation(self) -> list[dict]:
+        return [m.to_dict() for m in self.messages]
+
+    def sampling_params(self) -> SamplingParams:
+        max_tokens = self.max_completion_tokens
+        if max_tokens is None:
+            max_tokens = self.max_tokens
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        try:
+            return self._sampling_params(max_tokens, logprobs, self.prompt_logprobs)
+        except InvalidRequestError as exc:   # name the field the client actually sent
+            if exc.param == "max_tokens" and self.max_completion_tokens is not None:
+                exc.param = "max_completion_tokens"
+            raise
+
+
+KNOWN_COMPLETION_FIELDS = frozenset(CompletionRequest.__struct_fields__)
+KNOWN_CHAT_FIELDS = frozenset(ChatCompletionRequest.__struct_fields__)
+
+_completion_decoder = msgspec.json.Decoder(CompletionRequest)
+_chat_decoder = msgspec.json.Decoder(ChatCompletionRequest)
+_raw_object_decoder = msgspec.json.Decoder(dict[str, msgspec.Raw])
+
+
+def decode_completion_request(body: bytes) -> CompletionRequest:
+    return _decode(_completion_decoder, body)
+
+
+def decode_chat_request(body: bytes) -> ChatCompletionRequest:
+    return _decode(_chat_decoder, body)
+
+
+def unknown_fields(body: bytes, known: frozenset[str]) -> list[str]:
+    """Top-level keys of a JSON object body that the request Struct ignores. Values are not
+    decoded (msgspec.Raw), so this is cheap; call it only when debug logging is on."""
+    try:
+        return [k for k in _raw_object_decoder.decode(body) if k not in known]
+    except msgspec.DecodeError:
+        return []
+
+
+def _decode(decoder: msgspec.json.Decoder, body: bytes):
+    try:
+        return decoder.decode(body)
+    except msgspec.ValidationError as exc:
+        path = _error_path(str(exc))
+        cause = exc.__cause__
+        if isinstance(cause, InvalidRequestError):   # raised by a __post_init__ at `path`
+            raise InvalidRequestError(cause.message, _join(path, cause.param)) from None
+        missing = _MISSING_FIELD.search(str(exc))
+        if missing:
+            path = _join(path, missing.group(1))
+        elif not path and str(exc).startswith("Expected `object`"):
+            raise InvalidRequestError("Request body must be a JSON object") from None
+        raise InvalidRequestError(f"Invalid request body: {exc}", path or None) from None
+    except msgspec.DecodeError as exc:
+        raise InvalidRequestError(f"Request body is not valid JSON: {exc}") from None
+
+
+_ERROR_PATH = re.compile(r" - at `\$(.*)`$")
+_MISSING_FIELD = re.compile(r"missing required field `([^`]+)`")
+
+
+def _error_path(message: str) -> str:
+    """msgspec appends "- at `$.messages[0].role`": -> "messages[0].role". Dict values show
+    as `[...]`, which names no key: dropped."""
+    match = _ERROR_PATH.search(message)
+    if not match:
+        return ""
+    path = match.group(1).removeprefix(".")
+    return path.removesuffix("[...]")
+
+
+def _join(path: str, param: str | None) -> str | None:
+    if not path or param is None:
+        return param or path or None
+    if param == path or param.startswith((path + ".", path + "[")):
+        return param          # the error already names its full location
+    return f"{path}.{param}"
+
+
+def _check_prompt(prompt) -> None:
+    """A string, or a list of strings, token ids or token-id lists (not a mix), none empty.
+    Token id ranges are the engine's check: it knows the vocabulary."""
+    _check(len(prompt) > 0, "prompt must not be empty", "prompt")
+    if isinstance(prompt, str):
+        return
+    try:   # a C-level pass: a token-id prompt can be 100k items long
+        msgspec.convert(prompt, _PROMPT_LIST_TYPES[type(prompt[0])])
+    except msgspec.ValidationError:
+        raise InvalidRequestError("prompt must be a string, a list of strings, a list of token "
+                                  "ids or a list of token-id lists, not a mix", "prompt") from None
+    _check(not isinstance(prompt[0], (str, list)) or all(prompt),
+           "prompt must not contain an empty string or token-id list", "prompt")
+
+
+_PROMPT_LIST_TYPES = {str: list[str], int: list[int], list: list[list[int]]}
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    if not bias:
+        return None
+    try:
+        return {int(k): v for k, v in bias.items()}
+    except ValueError:
+        bad = next(k for k in bias if not _is_int(k))
+        raise InvalidRequestError(f"logit_bias keys must be token ids, got {bad!r}",
+                                  "logit_bias") from None
+
+
+def _is_int(text: str) -> bool:
+    try:
+        int(text)
+        return True
+    except ValueError:
+        return False
+
+
+def _check(ok: bool, message: str, param: str) -> None:
+    if not ok:
+        raise InvalidRequestError(message, param)

@@ -1,0 +1,33 @@
+"""Worker (front-end) configuration."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from splitserve.config import EngineConfig
+
+ROLES = ("agg", "ctx", "gen")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    role: str = "agg"                      # a deployment label; requests choose what they do
+    served_model_name: str | None = None   # None: the model's own name
+    max_body_bytes: int = 64 << 20         # larger bodies get 413
+    tokenizer_threads: int = 2
+    engine_start_timeout: float = 600.0
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+    def __post_init__(self):
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.max_body_bytes < 1024:
+            raise ValueError("max_body_bytes must be at least 1024")
+
+    @property
+    def log_prefix(self) -> str:
+        return f"{self.role}:{self.port}"

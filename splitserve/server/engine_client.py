@@ -1,0 +1,151 @@
+"""The front-end's handle on its engine-core process: start it, submit, stream, abort.
+
+One asyncio task reads the engine's output socket and routes each CompletionDelta to the
+queue of its request. The prompt goes out as a raw int32 frame next to a small AddRequest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import os
+import tempfile
+import time
+import uuid
+from typing import AsyncIterator
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from splitserve.config import EngineConfig
+from splitserve.engine.process import run_engine_core
+from splitserve.engine.request import FinishReason
+from splitserve.protocol.engine import (
+    AbortRequests, AddRequest, CompletionDelta, EngineDead, EngineOutput, EngineOutputs,
+    EngineReady, EngineStats, Shutdown)
+from splitserve.sampling_params import SamplingParams
+from splitserve.tokens import PromptTokens
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class EngineClient:
+    def __init__(self, config: EngineConfig, log_prefix: str = "engine"):
+        self.config = config
+        self.log_prefix = log_prefix
+        base = os.path.join(tempfile.gettempdir(), f"splitserve-{uuid.uuid4().hex[:12]}")
+        self.input_addr, self.output_addr = f"ipc://{base}-in", f"ipc://{base}-out"
+        self.ctx = zmq.asyncio.Context()
+        self.queues: dict[str, asyncio.Queue] = {}
+        self.ready: EngineReady | None = None
+        self.stats = EngineStats(0, 0, 0, 0, 0, 0)
+        self.dead_reason: str | None = None
+        self.process: multiprocessing.Process | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._encoder = msgspec.msgpack.Encoder()
+
+    @property
+    def healthy(self) -> bool:
+        return self.ready is not None and self.dead_reason is None
+
+    async def start(self, timeout: float = 300.0) -> EngineReady:
+        """Spawn the engine process and wait for its handshake."""
+        self.in_sock = self.ctx.socket(zmq.PUSH)
+        self.in_sock.bind(self.input_addr)
+        self.out_sock = self.ctx.socket(zmq.PULL)
+        self.out_sock.bind(self.output_addr)
+        self.process = multiprocessing.get_context("spawn").Process(
+            target=run_engine_core, name=f"{self.log_prefix}-core", daemon=True,
+            args=(self.config, self.input_addr, self.output_addr, self.log_prefix))
+        self.process.start()
+        decoder = msgspec.msgpack.Decoder(EngineOutput)
+        try:
+            first = decoder.decode(await asyncio.wait_for(self.out_sock.recv(), timeout))
+        except asyncio.TimeoutError:
+            self.process.kill()
+            raise EngineDeadError(f"engine did not report ready within {timeout:.0f} s") from None
+        if isinstance(first, EngineDead):
+            raise EngineDeadError(first.reason)
+        self.ready = first
+        self._tasks = [asyncio.create_task(self._output_loop(decoder)),
+                       asyncio.create_task(self._watch_process())]
+        return first
+
+    async def _output_loop(self, decoder) -> None:
+        while True:
+            msg = decoder.decode(await self.out_sock.recv())
+            if isinstance(msg, EngineOutputs):
+                self.stats = msg.stats
+                for delta in msg.deltas:
+                    q = self.queues.get(delta.request_id)
+                    if q is not None:
+                        q.put_nowait(delta)
+            elif isinstance(msg, EngineDead):
+                self._fail_all(msg.reason)
+
+    async def _watch_process(self) -> None:
+        while self.process.is_alive():
+            await asyncio.sleep(0.5)
+        self._fail_all(f"engine process exited with code {self.process.exitcode}")
+
+    def _fail_all(self, reason: str) -> None:
+        if self.dead_reason is None:
+            logger.error("%s: engine is dead: %s", self.log_prefix, reason)
+        self.dead_reason = reason
+        for rid, q in self.queues.items():
+            q.put_nowait(CompletionDelta(rid, -1, [], "", finish_reason=int(FinishReason.ERROR),
+                                         error=f"engine is not running: {reason}"))
+
+    # -- requests -------------------------------------------------------------------------
+    async def generate(self, request_id: str, prompt: PromptTokens, params: SamplingParams,
+                       arrival_time: float | None = None) -> AsyncIterator[CompletionDelta]:
+        """Yields the request's deltas until all n sequences finished. Leaving early (the
+        client went away, the task was cancelled) aborts the request in the engine."""
+        if not self.healthy:
+            raise EngineDeadError(self.dead_reason or "engine not started")
+        q: asyncio.Queue = asyncio.Queue()
+        self.queues[request_id] = q
+        msg = AddRequest(request_id, params, len(prompt), prompt.is_placeholder,
+                         arrival_time or time.time())
+        frame = b"" if prompt.is_placeholder else memoryview(prompt.array).cast("B")
+        open_seqs = params.n
+        try:
+            await self.in_sock.send_multipart([self._encoder.encode(msg), frame], copy=False)
+            while open_seqs:
+                delta = await q.get()
+                if delta.finish_reason is not None:
+                    open_seqs = 0 if delta.index < 0 or delta.error_param is not None else open_seqs - 1
+                yield delta
+        finally:
+            self.queues.pop(request_id, None)
+            if open_seqs and self.healthy:
+                await self.abort([request_id])
+
+    async def abort(self, request_ids: list[str]) -> None:
+        await self.in_sock.send(self._encoder.encode(AbortRequests(request_ids)))
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        for task in self._tasks:
+            task.cancel()
+        if self.process is not None and self.process.is_alive():
+            try:
+                await self.in_sock.send(self._encoder.encode(Shutdown()))
+            except zmq.ZMQError:
+                pass
+            deadline = time.monotonic() + timeout
+            while self.process.is_alive() and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            if self.process.is_alive():
+                self.process.kill()
+        self.ctx.destroy(linger=0)
+        for addr in (self.input_addr, self.output_addr):
+            try:
+                os.unlink(addr.removeprefix("ipc://"))
+            except FileNotFoundError:
+                pass

@@ -1,0 +1,173 @@
+"""/v1/completions and /v1/chat/completions: prompts in, engine deltas out as JSON or SSE.
+
+Event-loop budget: decoding the body (msgspec) and shaping the response are the only
+per-request work here; tokenization and chat templates run in the tokenizer thread pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from contextlib import aclosing
+from typing import AsyncIterator
+
+import numpy as np
+from aiohttp import web
+
+from splitserve.errors import InvalidRequestError
+from splitserve.protocol.engine import CompletionDelta
+from splitserve.protocol.openai import (
+    DONE, ChatCompletionRequest, CompletionRequest, EchoPrompt, ResponseAccumulator,
+    StreamEncoder, decode_chat_request, decode_completion_request, response_id)
+from splitserve.sampling_params import SamplingParams
+from splitserve.tokens import PromptTokens
+
+logger = logging.getLogger(__name__)
+
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+
+
+class GenerateHandlers:
+    def __init__(self, server):
+        self.server = server          # server.app.WorkerServer: engine, tokenizer, metrics
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        arrival = time.time()
+        req = decode_completion_request(await request.read())
+        self.server.check_model(req.model)
+        params = req.sampling_params()
+        prompts, texts = await self._completion_prompts(req)
+        echo = [EchoPrompt(t, int(p.array[0])) for p, t in zip(prompts, texts)] if req.echo else ()
+        return await self._respond(request, req, prompts, params, echo, arrival)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        arrival = time.time()
+        req = decode_chat_request(await request.read())
+        self.server.check_model(req.model)
+        params = req.sampling_params()
+        tok = self.server.tokenizer
+        kwargs = req.chat_template_kwargs or {}
+
+        def render() -> np.ndarray:
+            text = tok.apply_chat_template(req.conversation(),
+                                           add_generation_prompt=req.add_generation_prompt, **kwargs)
+            return tok.encode(text, add_special_tokens=False)
+        ids = await self.server.in_pool(render)
+        return await self._respond(request, req, [PromptTokens(ids)], params, (), arrival)
+
+    async def _completion_prompts(self, req: CompletionRequest):
+        items, tok = req.prompts(), self.server.tokenizer
+        if isinstance(items[0], str):
+            prompts = await self.server.in_pool(lambda: [PromptTokens(tok.encode(p)) for p in items])
+            return prompts, items
+        prompts = [PromptTokens.from_list(ids) for ids in items]
+        texts = [""] * len(prompts)
+        if req.echo:
+            texts = await self.server.in_pool(
+                lambda: [tok.decode(p.array, skip_special_tokens=False) for p in prompts])
+        return prompts, texts
+
+    def _check(self, prompts: list[PromptTokens], params: SamplingParams) -> None:
+        """What the engine would reject, answered here with a 400 before anything starts."""
+        ready = self.server.engine.ready
+        params.check_vocab(ready.vocab_size)
+        for p in prompts:
+            if len(p) == 0:
+                raise InvalidRequestError("the prompt is empty", "prompt")
+            lo, hi = int(p.array.min()), int(p.array.max())
+            if lo < 0 or hi >= ready.vocab_size:
+                raise InvalidRequestError(f"prompt token id {lo if lo < 0 else hi} is outside the "
+                                          f"vocabulary [0, {ready.vocab_size})", "prompt")
+            want = len(p) + (params.max_tokens or 1)
+            if len(p) >= ready.max_model_len or want > ready.max_model_len:
+                raise InvalidRequestError(
+                    f"this model's maximum context length is {ready.max_model_len} tokens; the "
+                    f"request asks for {want} ({len(p)} in the prompt, {params.max_tokens or 1} "
+                    f"to generate)", "prompt" if len(p) >= ready.max_model_len else "max_tokens")
+
+    async def _respond(self, request, req, prompts, params, echo, arrival):
+        self._check(prompts, params)
+        chat = isinstance(req, ChatCompletionRequest)
+        rid = response_id(chat)
+        kwargs = dict(token_text=self.server.token_text, echo=echo, request_id=rid)
+        deltas = self._observe(self._merged(rid, prompts, params, arrival), arrival)
+        if req.stream:
+            return await self._stream(request, req, deltas, kwargs)
+        acc = ResponseAccumulator(req, self.server.model_name, num_prompts=len(prompts), **kwargs)
+        async with aclosing(deltas):
+            async for i, delta in deltas:
+                acc.add(delta, i)
+        failed = acc.error_response()
+        if failed is not None:
+            return web.Response(status=failed[0], body=failed[1], content_type="application/json")
+        return web.Response(body=acc.body(), content_type="application/json")
+
+    async def _stream(self, request, req, deltas, kwargs) -> web.StreamResponse:
+        enc = StreamEncoder(req, self.server.model_name, **kwargs)
+        resp = web.StreamResponse(headers=SSE_HEADERS)
+        await resp.prepare(request)
+        async with aclosing(deltas):
+            async for i, delta in deltas:
+                chunk = enc.chunk(delta, i)
+                if chunk:
+                    await resp.write(chunk)
+                if delta.error is not None:
+                    break
+        if req.include_usage:
+            await resp.write(enc.usage_chunk())
+        await resp.write(DONE)
+        await resp.write_eof()
+        return resp
+
+    async def _merged(self, rid: str, prompts: list[PromptTokens], params: SamplingParams,
+                      arrival: float) -> AsyncIterator[tuple[int, CompletionDelta]]:
+        """(prompt index, delta) of every prompt's engine request, as they come."""
+        engine = self.server.engine
+        if len(prompts) == 1:
+            async for delta in engine.generate(rid, prompts[0], params, arrival):
+                yield 0, delta
+            return
+        q: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, prompt: PromptTokens) -> None:
+            try:
+                async for delta in engine.generate(f"{rid}-{i}", prompt, params, arrival):
+                    q.put_nowait((i, delta))
+            finally:
+                q.put_nowait((i, None))
+        tasks = [asyncio.create_task(pump(i, p)) for i, p in enumerate(prompts)]
+        try:
+            open_prompts = len(tasks)
+            while open_prompts:
+                i, delta = await q.get()
+                if delta is None:
+                    open_prompts -= 1
+                else:
+                    yield i, delta
+        finally:   # leaving early (client gone, error) aborts whatever is still running
+            for t in tasks:
+                t.cancel()
+
+    async def _observe(self, deltas, arrival: float):
+        """Latency and token metrics, recorded as deltas pass."""
+        m = self.server.metrics
+        last: dict[tuple[int, int], float] = {}
+        async with aclosing(deltas):
+            async for i, delta in deltas:
+                now = time.time()
+                if delta.token_ids:
+                    prev = last.get((i, delta.index))
+                    if prev is None:
+                        m.ttft.observe(now - arrival)
+                        m.queue.observe(delta.queue_time)
+                        if delta.index == 0:
+                            m.prompt_tokens.inc(delta.num_prompt_tokens)
+                    else:
+                        m.itl.observe(now - prev)
+                    last[(i, delta.index)] = now
+                    m.generation_tokens.inc(len(delta.token_ids))
+                if delta.finish_reason is not None:
+                    m.e2e.observe(now - arrival)
+                yield i, delta

@@ -1,0 +1,94 @@
+"""Start real worker processes for end-to-end tests and talk to them over HTTP."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Worker:
+    """`splitserve serve ...` in a subprocess; stopped (and waited for) on close()."""
+
+    def __init__(self, *args: str, timeout: float = 180.0):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = dict(os.environ, SPLITSERVE_NUM_THREADS="1")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "splitserve.cli", "--log-level", "WARNING", "serve",
+             "--port", str(self.port), *args], env=env)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"worker exited with {self.proc.returncode}")
+            try:
+                if get(self.url + "/health")[0] == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.2)
+        self.close()
+        raise TimeoutError("worker did not become healthy")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def get(url: str) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=60) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def post(url: str, body, timeout: float = 120) -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def stream(url: str, body: dict, timeout: float = 120) -> list[dict | str]:
+    """POST with stream: true; returns the parsed SSE events (the final '[DONE]' as a str)."""
+    data = json.dumps({**body, "stream": True}).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    events = []
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        assert r.headers["Content-Type"].startswith("text/event-stream")
+        for line in r:
+            line = line.decode().strip()
+            if line.startswith("data: "):
+                payload = line[len("data: "):]
+                events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+def metrics(url: str) -> dict[str, float]:
+    """Prometheus text -> {'name{labels}': value}."""
+    out = {}
+    for line in get(url + "/metrics")[1].decode().splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            out[key] = float(value)
+    return out
