@@ -12,6 +12,13 @@ def _bench(args) -> int:
     if args.bench_cmd == "engine":
         from splitserve.bench import engine
         engine.run(args)
+    elif args.bench_cmd == "serve":
+        from splitserve.bench import serve
+        serve.run(args)
+    elif args.bench_cmd == "plot":
+        from splitserve.bench import plot
+        for path in plot.run(args):
+            print(path)
     return 0
 
 
@@ -26,14 +33,16 @@ def _chat(args) -> int:
 
 def _engine_config(args):
     from splitserve import envs
-    from splitserve.config import CacheConfig, EngineConfig, SchedulerConfig
+    from splitserve.config import CacheConfig, EngineConfig, KVTransferConfig, SchedulerConfig
     return EngineConfig(
         model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
         num_threads=args.threads or envs.num_threads(), seed=args.seed,
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
                           memory_bytes=int(args.kv_cache_gib * (1 << 30)),
                           enable_prefix_caching=not args.no_prefix_caching),
-        scheduler=SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs))
+        scheduler=SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs),
+        kv=KVTransferConfig(args.kv_backend, args.kv_host, args.kv_port, args.kv_lease_seconds,
+                            args.kv_timeout))
 
 
 def _add_engine_arguments(p) -> None:
@@ -49,6 +58,11 @@ def _add_engine_arguments(p) -> None:
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--kv-backend", default="tcp", choices=["tcp", "nixl"])
+    p.add_argument("--kv-host", default="127.0.0.1", help="address the KV server binds/advertises")
+    p.add_argument("--kv-port", type=int, default=0)
+    p.add_argument("--kv-lease-seconds", type=float, default=30.0)
+    p.add_argument("--kv-timeout", type=float, default=30.0, help="seconds a KV pull may take")
 
 
 def _serve(args) -> int:
@@ -58,6 +72,22 @@ def _serve(args) -> int:
                        served_model_name=args.served_model_name,
                        max_body_bytes=args.max_body_bytes, engine=_engine_config(args)))
     return 0
+
+
+def _orchestrator(args) -> int:
+    import asyncio
+    from dataclasses import replace
+    from splitserve.orchestrator.app import run_orchestrator
+    from splitserve.orchestrator.cluster import ClusterConfig
+    config = ClusterConfig.from_yaml(args.config)
+    overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+    asyncio.run(run_orchestrator(replace(config, **overrides)))
+    return 0
+
+
+def _up(args) -> int:
+    from splitserve.orchestrator.up import up
+    return up(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -82,10 +112,37 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-body-bytes", type=int, default=64 << 20)
     serve.set_defaults(func=_serve)
 
+    orch = sub.add_parser("orchestrator", help="the cluster's front door, from a cluster YAML")
+    orch.add_argument("-c", "--config", required=True)
+    orch.add_argument("--host", default=None)
+    orch.add_argument("--port", type=int, default=None)
+    orch.set_defaults(func=_orchestrator)
+
+    upp = sub.add_parser("up", help="a local cluster: orchestrator + CTX + GEN workers")
+    upp.add_argument("--model", default=None)
+    upp.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    upp.add_argument("--host", default="127.0.0.1")
+    upp.add_argument("--port", type=int, default=8000, help="orchestrator; workers take the next ports")
+    upp.add_argument("--num-ctx", type=int, default=1)
+    upp.add_argument("--num-gen", type=int, default=1)
+    upp.add_argument("--threads", type=int, default=None, help="torch threads per worker")
+    upp.add_argument("--kv-backend", default="tcp", choices=["tcp", "nixl"])
+    upp.add_argument("--kv-cache-gib", type=float, default=1.0)
+    upp.add_argument("--ctx-router", default="prefix_aware")
+    upp.add_argument("--gen-router", default="least_loaded")
+    upp.add_argument("--start-timeout", type=float, default=600.0)
+    upp.set_defaults(func=_up)
+
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_cmd", required=True)
     from splitserve.bench import engine
     engine.add_arguments(bench_sub.add_parser("engine", help="engine prefill/decode tok/s"))
+    from splitserve.bench import serve as bench_serve
+    bench_serve.add_arguments(bench_sub.add_parser(
+        "serve", help="load-test an OpenAI-compatible server: TTFT, TPOT, ITL, throughput"))
+    from splitserve.bench import plot as bench_plot
+    bench_plot.add_arguments(bench_sub.add_parser(
+        "plot", help="PNG plots (latency CDFs, metric vs concurrency) from `bench serve` results"))
     bench.set_defaults(func=_bench)
     return parser
 

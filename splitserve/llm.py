@@ -54,13 +54,15 @@ class RequestOutput:
 
 
 class LLM:
-    def __init__(self, model: str | None = None, *, dtype: str = "bfloat16",
-                 max_model_len: int | None = None, block_size: int = 16,
+    def __init__(self, model: str | None = None, *, dtype: str = "auto",
+                 quantization: str | None = None, max_model_len: int | None = None,
+                 block_size: int = 16,
                  num_blocks: int | None = None, kv_cache_memory_bytes: int = 2 << 30,
                  enable_prefix_caching: bool = True, max_num_batched_tokens: int = 512,
                  max_num_seqs: int = 64, seed: int | None = None, num_threads: int | None = None):
         config = EngineConfig(
-            model=model, dtype=dtype, max_model_len=max_model_len, num_threads=num_threads, seed=seed,
+            model=model, dtype=dtype, quantization=quantization, max_model_len=max_model_len,
+            num_threads=num_threads, seed=seed,
             cache=CacheConfig(block_size, num_blocks, kv_cache_memory_bytes, enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_batched_tokens, max_num_seqs))
         self.engine = EngineCore(config)

@@ -28,18 +28,7 @@ class Worker:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "splitserve.cli", "--log-level", "WARNING", "serve",
              "--port", str(self.port), *args], env=env)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"worker exited with {self.proc.returncode}")
-            try:
-                if get(self.url + "/health")[0] == 200:
-                    return
-            except OSError:
-                pass
-            time.sleep(0.2)
-        self.close()
-        raise TimeoutError("worker did not become healthy")
+        wait_healthy(self, timeout)
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -49,6 +38,22 @@ class Worker:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+def wait_healthy(service, timeout: float) -> None:
+    """Until service.url answers /health with 200; closes the service on failure."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if service.proc.poll() is not None:
+            raise RuntimeError(f"{service.url} exited with {service.proc.returncode}")
+        try:
+            if get(service.url + "/health")[0] == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    service.close()
+    raise TimeoutError(f"{service.url} did not become healthy")
 
 
 def get(url: str) -> tuple[int, bytes]:
@@ -92,3 +97,23 @@ def metrics(url: str) -> dict[str, float]:
             key, _, value = line.rpartition(" ")
             out[key] = float(value)
     return out
+
+
+class Orchestrator:
+    """`splitserve orchestrator -c cluster.yaml` in a subprocess."""
+
+    def __init__(self, tmp_path, ctx_urls, gen_urls, ctx_router="round_robin",
+                 gen_router="least_loaded", timeout: float = 60.0):
+        import yaml
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        path = tmp_path / f"cluster-{self.port}.yaml"
+        path.write_text(yaml.safe_dump({
+            "port": self.port, "health_check_interval": 0.5,
+            "context_servers": {"urls": list(ctx_urls), "router": ctx_router},
+            "generation_servers": {"urls": list(gen_urls), "router": gen_router}}))
+        self.proc = subprocess.Popen([sys.executable, "-m", "splitserve.cli", "--log-level",
+                                      "WARNING", "orchestrator", "-c", str(path)])
+        wait_healthy(self, timeout)
+
+    close = Worker.close

@@ -85,7 +85,7 @@ def test_server_metrics():
     sm.queue.observe(0.0005)
     sm.prompt_tokens.inc(12)
     sm.generation_tokens.inc(30)
-    sm.update_engine(SimpleNamespace(num_running=2, num_waiting=1, kv_blocks_used=25,
+    sm.update_engine(SimpleNamespace(num_running=2, num_waiting=1, kv_blocks_used=25, kv_blocks_leased=4,
                                      kv_blocks_total=100, prefix_cache_queries=64,
                                      prefix_cache_hits=32))
     m = parse_prometheus(sm.render())

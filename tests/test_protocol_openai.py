@@ -194,10 +194,13 @@ def test_chat_sampling_params_mapping():
 
 
 def test_disaggregated_params_are_carried():
+    handle = {"backend": "tcp", "endpoint": "tcp://x:1", "ctx_request_id": "c1",
+              "layout": "m|float32", "num_tokens": 9}
     dp = {"request_type": "generation_only", "ctx_request_id": "c1", "first_gen_tokens": [42],
-          "prompt_len": 9, "kv_handle": {"endpoint": "tcp://x:1", "blocks": [1, 2]}}
+          "prompt_len": 9, "kv_handle": handle, "prompt_token_ids": list(range(9))}
     req = completion(disaggregated_params=dp)
-    assert req.disaggregated_params == DisaggregatedParams(**dp)
+    assert req.disaggregated_params.kv_handle.endpoint == "tcp://x:1"
+    req.disaggregated_params.check_generation_only()
     assert msgspec.json.decode(msgspec.json.encode(req))["disaggregated_params"] == dp
     with pytest.raises(InvalidRequestError) as err:
         DisaggregatedParams(prompt_len=-1)

@@ -8,10 +8,12 @@ decode steps are timed; tok/s = B / median step time.
 from __future__ import annotations
 
 import json
+import platform
 import statistics
 import time
 
 import numpy as np
+import torch
 
 from splitserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from splitserve.engine.core import EngineCore
@@ -56,22 +58,44 @@ def bench_decode(engine: EngineCore, batch: int, steps: int, prompt_len: int, rn
     return batch / statistics.median(times[1:])
 
 
+def _machine() -> dict:
+    return {"cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "avx512_bf16": getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)(),
+            "amx": getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)(),
+            "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+            "processor": platform.processor() or platform.machine()}
+
+
+def _quantize(engine: EngineCore, config: EngineConfig) -> None:
+    # The model is built inside EngineCore; quantize here if it did not already.
+    model = engine.runner.model
+    if config.quantization and model.quantization != config.quantization:
+        model.quantize(config.quantization)
+
+
 def run(args) -> dict:
-    config = EngineConfig(model=args.model, dtype=args.dtype, num_threads=args.threads, seed=0,
+    config = EngineConfig(model=args.model, dtype=args.dtype, quantization=args.quantization,
+                          num_threads=args.threads, seed=0,
                           cache=CacheConfig(enable_prefix_caching=False),
                           scheduler=SchedulerConfig(max_num_batched_tokens=args.prefill_len,
                                                     max_num_seqs=max(args.batch_sizes)))
     engine = EngineCore(config)
+    _quantize(engine, config)
     rng = np.random.default_rng(0)
-    result = {"model": engine.model_config.name, "dtype": args.dtype, "threads": args.threads,
+    dtype = str(config.torch_dtype).removeprefix("torch.")
+    result = {"model": engine.model_config.name, "dtype_requested": args.dtype, "dtype": dtype,
+              "quantization": args.quantization, "threads": args.threads, **_machine(),
               "prefill_len": args.prefill_len,
               "prefill_tok_s": bench_prefill(engine, args.prefill_len, args.repeats, rng),
-              "decode_tok_s": {}}
-    print(f"{result['model']} {args.dtype}: prefill {args.prefill_len} tokens: "
-          f"{result['prefill_tok_s']:.0f} tok/s")
+              "decode_prompt_len": args.decode_prompt_len, "decode_tok_s": {}, "decode_ms_step": {}}
+    weights = args.quantization or dtype
+    print(f"{result['model']} {weights} (dtype {args.dtype} -> {dtype}), "
+          f"{result['torch_threads']} threads, CPU {result['cpu_capability']}")
+    print(f"  prefill {args.prefill_len} tokens: {result['prefill_tok_s']:7.1f} tok/s")
     for b in args.batch_sizes:
         tps = bench_decode(engine, b, args.decode_steps, args.decode_prompt_len, rng)
         result["decode_tok_s"][str(b)] = tps
+        result["decode_ms_step"][str(b)] = 1000 * b / tps
         print(f"  decode batch {b:>3}: {tps:7.1f} tok/s  ({1000 * b / tps:.1f} ms/step)")
     if args.json:
         with open(args.json, "w") as f:
@@ -81,7 +105,10 @@ def run(args) -> dict:
 
 def add_arguments(p) -> None:
     p.add_argument("--model", default=None, help="model path or name (default: bundled SmolLM2)")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="auto: bfloat16 if the CPU computes it natively, else float32")
+    p.add_argument("--quantization", default=None, choices=["int8"],
+                   help="int8 weights (per output channel) with float32 activations")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--prefill-len", type=int, default=512)
     p.add_argument("--repeats", type=int, default=3)

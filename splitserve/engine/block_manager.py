@@ -113,13 +113,16 @@ class BlockManager:
                 del self.cached[h]
 
     def free(self, req: Request) -> None:
+        self.free_blocks(req.block_ids)
+        req.block_ids = []
+
+    def free_blocks(self, block_ids: list[int]) -> None:
         # Tail blocks first, so a prompt's deepest blocks are evicted before its shared head.
-        for block in reversed(req.block_ids):
+        for block in reversed(block_ids):
             self.ref_counts[block] -= 1
             assert self.ref_counts[block] >= 0, f"block {block} freed twice"
             if self.ref_counts[block] == 0:
                 self.free_queue[block] = None
-        req.block_ids = []
 
     def fork(self, parent: Request, child: Request) -> tuple[int, int] | None:
         """Child shares parent's full blocks; a partial last block is copied (copy-on-write

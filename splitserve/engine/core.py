@@ -16,6 +16,7 @@ import torch
 from splitserve.config import EngineConfig
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.detokenizer import IncrementalDetokenizer
+from splitserve.engine.disagg import RemoteKV
 from splitserve.engine.request import FinishReason, Request, RequestStatus
 from splitserve.engine.runner import ModelRunner, StepResult
 from splitserve.engine.sampler import Sampler, prompt_logprobs
@@ -23,7 +24,7 @@ from splitserve.engine.scheduler import Scheduler
 from splitserve.errors import InvalidRequestError
 from splitserve.model.llama import build_model
 from splitserve.model.loader import ModelSource, load_model_source
-from splitserve.protocol.engine import CompletionDelta
+from splitserve.protocol.engine import CompletionDelta, RemotePrefill
 from splitserve.sampling_params import SamplingParams
 from splitserve.tokens import PromptTokens
 
@@ -50,16 +51,25 @@ class EngineCore:
         self.groups: dict[str, list[Request]] = {}
         self.detokenizers: dict[int, IncrementalDetokenizer] = {}
         self.pending: list[CompletionDelta] = []   # deltas produced between steps (aborts)
+        self.remote_kv = RemoteKV(config.kv, self.block_manager, self.runner.kv_cache, cfg,
+                                  config.torch_dtype)
         logger.info("engine: %s %s, %d KV blocks of %d tokens, max_model_len %d", cfg.name,
                     config.dtype, num_blocks, block_size, self.max_model_len)
 
     # -- requests in ----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: PromptTokens, params: SamplingParams,
-                    arrival_time: float | None = None) -> None:
-        """Validate and queue; raises InvalidRequestError naming the problem."""
+                    arrival_time: float | None = None, context_only: bool = False,
+                    remote: RemotePrefill | None = None) -> None:
+        """Validate and queue; raises InvalidRequestError naming the problem.
+        context_only: stop after the first token and lease the KV to a generation worker.
+        remote: the prompt's KV is pulled from a context worker instead of computed."""
         if request_id in self.groups:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         self._validate(prompt, params)
+        if (context_only or remote is not None) and params.n > 1:
+            raise InvalidRequestError("n > 1 is not supported for disaggregated requests", "n")
+        if remote is not None:
+            self.remote_kv.check(remote, len(prompt), self.model_config.vocab_size)
         eos = () if params.ignore_eos else self.model_config.eos_token_ids
         children = []
         for i in range(params.n):
@@ -71,6 +81,7 @@ class EngineCore:
             req.group_id, req.index = request_id, i
             children.append(req)
         leader, siblings = children[0], children[1:]
+        leader.context_only, leader.remote = context_only, remote
         for s in siblings:
             s.status = RequestStatus.WAITING_FOR_FORK
         leader.siblings = siblings
@@ -102,9 +113,17 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
 
+    def has_runnable_work(self) -> bool:
+        """False when every unfinished request waits on a KV pull: the loop may sleep."""
+        s = self.scheduler
+        return bool(s.running or s.waiting or self.pending)
+
     def step(self) -> list[CompletionDelta]:
         out, self.pending = self.pending, []
+        self._poll_remote_kv(out)
         sched = self.scheduler.schedule()
+        for req in sched.pulls:
+            self.remote_kv.start_pull(req)
         if not sched:
             return out
         try:
@@ -173,7 +192,12 @@ class EngineCore:
             delta.num_cached_tokens = req.num_cached_tokens
             if req.first_scheduled_time is not None:
                 delta.queue_time = req.first_scheduled_time - req.arrival_time
+            delta.kv_transfer_time = req.kv_transfer_time
+            delta.admit_time = req.admit_time
         reason = self._check_stop(req, token, delta)
+        if reason is None and req.context_only:
+            delta.kv_handle = self.remote_kv.lease(req)
+            reason = FinishReason.HANDOFF
         if reason is not None:
             self._finish(req, reason, out, delta)
         else:
@@ -194,6 +218,25 @@ class EngineCore:
         if req.num_output_tokens >= req.max_tokens:
             return FinishReason.LENGTH
         return None
+
+    def _poll_remote_kv(self, out: list[CompletionDelta]) -> None:
+        self.remote_kv.release_ended_leases()
+        for req, result in self.remote_kv.finished_pulls():
+            if req.is_finished:            # aborted while its KV was arriving
+                self.block_manager.free(req)
+                continue
+            req.kv_transfer_time = result.seconds
+            if not result.ok:
+                self._finish(req, FinishReason.ERROR, out, error=f"KV transfer from "
+                             f"{req.remote.handle.endpoint} failed: {result.error}")
+                continue
+            remote = req.remote
+            self.scheduler.kv_arrived(req)
+            self.block_manager.cache_full_blocks(req)
+            lps = remote.first_gen_logprobs or [None] * len(remote.first_gen_tokens)
+            for token, lp in zip(remote.first_gen_tokens, lps):
+                if not req.is_finished:
+                    self._append_token(req, token, lp, out)
 
     def _detokenizer(self, req: Request) -> IncrementalDetokenizer:
         d = self.detokenizers.get(id(req))

@@ -50,9 +50,11 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
     bm = engine.block_manager
     dtype = str(engine.runner.kv_cache.dtype).removeprefix("torch.")
     out_q.put(EngineReady(engine.model_config.name, dtype, engine.model_config.vocab_size,
-                          engine.max_model_len, bm.num_blocks, bm.block_size))
+                          engine.max_model_len, bm.num_blocks, bm.block_size,
+                          engine.remote_kv.endpoint))
     threading.Thread(target=_recv_loop, args=(ctx, input_addr, in_q), daemon=True).start()
     parent = os.getppid()
+    engine.remote_kv.wake = lambda: in_q.put(_WAKE)   # KV pulls and acks end on other threads
     try:
         _step_loop(engine, in_q, out_q, parent)
     finally:
@@ -60,27 +62,33 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
         time.sleep(0.1)
 
 
+_WAKE = object()
+
+
 def _step_loop(engine: EngineCore, in_q: queue.Queue, out_q: queue.Queue, parent: int) -> None:
+    last_stats = None
     while True:
-        busy = engine.has_unfinished_requests()
+        busy = engine.has_runnable_work()
         try:
-            # Idle: block (with a timeout to notice a dead parent); busy: only drain.
-            item = in_q.get_nowait() if busy else in_q.get(timeout=1.0)
+            # Idle: block, waking for lease expiry and to notice a dead parent; busy: drain.
+            item = in_q.get_nowait() if busy else in_q.get(timeout=0.5)
         except queue.Empty:
             item = None
         deltas: list[CompletionDelta] = []
         while item is not None:
             if isinstance(item, Shutdown):
                 return
-            _handle(engine, item, deltas)
+            if item is not _WAKE:
+                _handle(engine, item, deltas)
             item = in_q.get_nowait() if not in_q.empty() else None
         if os.getppid() != parent:
             logger.warning("front-end process died; engine exiting")
             return
-        if engine.has_unfinished_requests() or engine.pending:
-            deltas.extend(engine.step())
-        if deltas:
-            out_q.put(EngineOutputs(deltas, _stats(engine)))
+        deltas.extend(engine.step())
+        stats = _stats(engine)
+        if deltas or stats != last_stats:
+            out_q.put(EngineOutputs(deltas, stats))
+            last_stats = stats
 
 
 def _handle(engine: EngineCore, item, deltas: list[CompletionDelta]) -> None:
@@ -97,7 +105,8 @@ def _handle(engine: EngineCore, item, deltas: list[CompletionDelta]) -> None:
             if len(prompt) != msg.prompt_len:
                 raise InvalidRequestError(f"prompt_len {msg.prompt_len} does not match the "
                                           f"{len(prompt)} prompt tokens sent", "prompt_len")
-        engine.add_request(msg.request_id, prompt, msg.params)
+        engine.add_request(msg.request_id, prompt, msg.params, context_only=msg.context_only,
+                           remote=msg.remote)
     except InvalidRequestError as exc:
         deltas.append(CompletionDelta(msg.request_id, 0, [], "", finish_reason=int(FinishReason.ERROR),
                                       error=exc.message, error_param=exc.param or ""))
@@ -106,7 +115,7 @@ def _handle(engine: EngineCore, item, deltas: list[CompletionDelta]) -> None:
 def _stats(engine: EngineCore) -> EngineStats:
     bm = engine.block_manager
     return EngineStats(engine.num_running, engine.num_waiting, bm.num_used_blocks, bm.num_blocks,
-                       bm.prefix_queries, bm.prefix_hits)
+                       bm.prefix_queries, bm.prefix_hits, engine.remote_kv.num_leased_blocks)
 
 
 def _recv_loop(ctx: zmq.Context, addr: str, in_q: queue.Queue) -> None:

@@ -22,6 +22,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH = 6
     FINISHED_ABORTED = 7
     FINISHED_ERROR = 8
+    FINISHED_HANDOFF = 9        # context_only: first token sampled, KV leased for a GEN worker
 
     @property
     def finished(self) -> bool:
@@ -37,6 +38,7 @@ class FinishReason(enum.IntEnum):
     LENGTH = 1
     ABORT = 2
     ERROR = 3
+    HANDOFF = 4                 # continues on a generation worker
 
     def __str__(self) -> str:
         return self.name.lower()
@@ -47,6 +49,7 @@ _FINISH = {
     RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
     RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
     RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
+    RequestStatus.FINISHED_HANDOFF: FinishReason.HANDOFF,
 }
 _FINISHED_STATUS = {reason: status for status, reason in _FINISH.items()}
 
@@ -65,6 +68,7 @@ class Request:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.status = RequestStatus.WAITING
         self.first_scheduled_time: float | None = None   # for queue-time metrics
+        self.admit_time = time.time()      # wall clock, comparable with the front-end's
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0     # tokens whose KV is in this request's blocks
         self.num_cached_tokens = 0       # prompt tokens served from the prefix cache
@@ -77,6 +81,12 @@ class Request:
         self.index = 0
         self.siblings: list[Request] = []
         self.prompt_logprobs: list | None = None   # one entry per prompt token, first is None
+        # Disaggregation: context_only hands its KV off after the first token; a request
+        # with `remote` pulls its prompt's KV instead of computing it.
+        self.context_only = False
+        self.remote = None                # protocol.engine.RemotePrefill
+        self.pulling = False              # a transport thread is writing into its blocks
+        self.kv_transfer_time = 0.0
         # Output budget, clamped so prompt + output never exceeds the model's context.
         limit = max_model_len - len(prompt)
         self.max_tokens = limit if params.max_tokens is None else min(params.max_tokens, limit)

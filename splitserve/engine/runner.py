@@ -54,7 +54,8 @@ class ModelRunner:
                 decodes.append((req.block_ids, start))
             else:
                 prefills.append((req.block_ids, start, n))
-        meta = build_metadata(self.block_size, decodes, prefills, self.cfg.sliding_window)
+        meta = build_metadata(self.block_size, decodes, prefills, self.cfg.sliding_window,
+                              self.kv_cache.dtype)
         input_ids = torch.from_numpy(np.concatenate(ids).astype(np.int64))
         hidden = self.model(input_ids, torch.from_numpy(np.concatenate(positions)), self.kv_cache, meta)
         return self._logits(scheduled, hidden)

@@ -23,6 +23,7 @@ class SchedulerOutput:
     # Decodes (one token each) first, then prefill chunks: the order the runner batches in.
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    pulls: list[Request] = field(default_factory=list)   # blocks allocated: start their KV pull
 
     @property
     def num_tokens(self) -> int:
@@ -38,6 +39,7 @@ class Scheduler:
         self.bm = block_manager
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.transferring: list[Request] = []   # WAITING_FOR_REMOTE_KV
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -67,8 +69,18 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and self._num_admitted < self.config.max_num_seqs:
             req = self.waiting[0]
+            if req.remote is not None:
+                # The prompt's KV comes from a context worker: blocks now, no compute budget.
+                if not self.bm.allocate(req, req.num_prompt_tokens):
+                    break
+                self.waiting.popleft()
+                req.status = RequestStatus.WAITING_FOR_REMOTE_KV
+                req.first_scheduled_time = time.monotonic()
+                self.transferring.append(req)
+                out.pulls.append(req)
+                continue
             cached = []
             if req.num_computed_tokens == 0 and req.params.prompt_logprobs is None:
                 cached = self.bm.find_cached_prefix(req)   # cached tokens would have no logprobs
@@ -87,6 +99,18 @@ class Scheduler:
             out.scheduled.append((req, n))
             budget -= n
 
+    @property
+    def _num_admitted(self) -> int:
+        return len(self.running) + len(self.transferring)
+
+    def kv_arrived(self, req: Request) -> None:
+        """The pulled KV is in req's blocks: it decodes from here like any running request."""
+        self.transferring.remove(req)
+        req.remote = None
+        req.num_computed_tokens = req.num_prompt_tokens
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+
     def _preempt(self, req: Request) -> None:
         self.bm.free(req)
         req.num_computed_tokens = 0
@@ -99,7 +123,10 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.bm.free(req)
+        elif req in self.transferring:
+            self.transferring.remove(req)
+        if not req.pulling:   # else the pull still writes its blocks: freed when it ends
+            self.bm.free(req)
 
     @property
     def num_running(self) -> int:

@@ -23,7 +23,7 @@ class PrefillChunk:
     length: int                      # query tokens in this chunk
     token_offset: int                # index of its first token in the step's flat batch
     block_table: torch.Tensor        # (1, n_blocks) long
-    mask: torch.Tensor | None        # (1, 1, length, start + length) bool; None: causal, no past
+    mask: torch.Tensor | None        # (1, 1, length, start + length) additive; None: causal, no past
 
 
 @dataclass
@@ -32,14 +32,20 @@ class AttentionMetadata:
     slot_offsets: torch.Tensor       # (T,) long: offset inside that block
     num_decodes: int
     decode_block_table: torch.Tensor | None   # (B_d, n_blocks) long
-    decode_mask: torch.Tensor | None          # (B_d, 1, 1, n_blocks * block_size) bool
+    decode_mask: torch.Tensor | None          # (B_d, 1, 1, n_blocks * block_size) additive
     prefills: list[PrefillChunk]
 
 
-def build_metadata(block_size: int, decode_seqs, prefill_seqs,
-                   sliding_window: int | None) -> AttentionMetadata:
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # SDPA turns a bool mask into an additive one on every call; do it once per step instead.
+    return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
+
+
+def build_metadata(block_size: int, decode_seqs, prefill_seqs, sliding_window: int | None,
+                   dtype: torch.dtype = torch.float32) -> AttentionMetadata:
     """decode_seqs: [(block_ids, position)], prefill_seqs: [(block_ids, start, length)].
-    Positions are 0-based; a decode's query sits at `position`, its context is 0..position."""
+    Positions are 0-based; a decode's query sits at `position`, its context is 0..position.
+    Masks are additive (0 / -inf) in `dtype`, the dtype of the queries."""
     blocks, offsets = [], []
     for block_ids, pos in decode_seqs:
         blocks.append(block_ids[pos // block_size])
@@ -54,7 +60,7 @@ def build_metadata(block_size: int, decode_seqs, prefill_seqs,
         allowed = keys <= pos
         if sliding_window is not None:
             allowed &= keys > pos - sliding_window
-        decode_mask = allowed.view(len(decode_seqs), 1, 1, -1)
+        decode_mask = _additive(allowed.view(len(decode_seqs), 1, 1, -1), dtype)
     chunks, offset = [], len(decode_seqs)
     for block_ids, start, length in prefill_seqs:
         pos = torch.arange(start, start + length)
@@ -67,7 +73,7 @@ def build_metadata(block_size: int, decode_seqs, prefill_seqs,
             allowed = keys <= pos.view(-1, 1)
             if sliding_window is not None:
                 allowed &= keys > pos.view(-1, 1) - sliding_window
-            mask = allowed.view(1, 1, length, -1)
+            mask = _additive(allowed.view(1, 1, length, -1), dtype)
         chunks.append(PrefillChunk(start, length, offset,
                                    torch.tensor([block_ids[:n_blocks]], dtype=torch.long), mask))
         offset += length
@@ -76,40 +82,35 @@ def build_metadata(block_size: int, decode_seqs, prefill_seqs,
                              decode_table, decode_mask, chunks)
 
 
-def _gather(kv_cache: torch.Tensor, layer: int, kv: int, table: torch.Tensor, length: int):
-    # table (B, n) -> (B, n, block_size, kvh, D) -> (B, kvh, length, D)
-    x = kv_cache[table, layer, kv]
-    b, n, bs, h, d = x.shape
-    return x.view(b, n * bs, h, d)[:, :length].transpose(1, 2)
+def _gather(kv_cache: torch.Tensor, layer: int, table: torch.Tensor, length: int):
+    """One index for keys and values: table (B, n) -> keys, values (B, KVH, length, D)."""
+    x = kv_cache[:, layer].transpose(0, 1)[:, table]    # (2, B, n, block_size, KVH, D)
+    _, b, n, bs, h, d = x.shape
+    x = x.view(2, b, n * bs, h, d)[:, :, :length].transpose(2, 3)
+    return x[0], x[1]
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+def paged_attention(q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor,
                     layer: int, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q (T, H, D), k/v (T, KVH, D) for this step's tokens -> (T, H, D)."""
-    kv_cache[meta.slot_blocks, layer, 0, meta.slot_offsets] = k
-    kv_cache[meta.slot_blocks, layer, 1, meta.slot_offsets] = v
-    out = torch.empty_like(q)
+    """q (T, H, D) and kv (T, 2, KVH, D) for this step's tokens -> (T, H, D)."""
+    kv_cache[meta.slot_blocks, layer, :, meta.slot_offsets] = kv     # keys and values at once
     nd = meta.num_decodes
+    outs = []
     if nd:
-        width = meta.decode_mask.shape[-1]
-        keys = _gather(kv_cache, layer, 0, meta.decode_block_table, width)
-        vals = _gather(kv_cache, layer, 1, meta.decode_block_table, width)
+        keys, vals = _gather(kv_cache, layer, meta.decode_block_table, meta.decode_mask.shape[-1])
         o = F.scaled_dot_product_attention(q[:nd].unsqueeze(2), keys, vals,   # (B, H, 1, D)
                                            attn_mask=meta.decode_mask, scale=scale, enable_gqa=True)
-        out[:nd] = o.squeeze(2)
+        outs.append(o.squeeze(2))
     for c in meta.prefills:
         s = slice(c.token_offset, c.token_offset + c.length)
         qc = q[s].transpose(0, 1).unsqueeze(0)                                 # (1, H, L, D)
         if c.mask is None:
-            keys = k[s].transpose(0, 1).unsqueeze(0)
-            vals = v[s].transpose(0, 1).unsqueeze(0)
+            keys, vals = kv[s].permute(1, 2, 0, 3).unsqueeze(1)                 # (1, KVH, L, D) each
             o = F.scaled_dot_product_attention(qc, keys, vals, is_causal=True, scale=scale,
                                                enable_gqa=True)
         else:
-            total = c.start + c.length
-            keys = _gather(kv_cache, layer, 0, c.block_table, total)
-            vals = _gather(kv_cache, layer, 1, c.block_table, total)
+            keys, vals = _gather(kv_cache, layer, c.block_table, c.start + c.length)
             o = F.scaled_dot_product_attention(qc, keys, vals, attn_mask=c.mask, scale=scale,
                                                enable_gqa=True)
-        out[s] = o.squeeze(0).transpose(0, 1)
-    return out
+        outs.append(o.squeeze(0).transpose(0, 1))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)

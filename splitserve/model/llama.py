@@ -17,6 +17,7 @@ from torch import nn
 from splitserve.errors import ModelLoadError
 from splitserve.model.attention import AttentionMetadata, paged_attention
 from splitserve.model.config import ModelConfig
+from splitserve.model.quant import QUANTIZATIONS, Int8Linear, quantize_linears
 
 
 class RMSNorm(nn.Module):
@@ -26,14 +27,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalize in float32 whatever the weights' dtype (as the reference implementation does).
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        # One fused kernel (it accumulates in float32 for bfloat16 inputs) instead of six ops.
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 class Rotary:
-    """RoPE in the rotate-half layout; cos/sin computed per step from the positions."""
+    """RoPE in the rotate-half layout; cos/sin computed once per step from the positions and
+    shared by every layer."""
 
     def __init__(self, cfg: ModelConfig):
         d = cfg.head_dim
@@ -43,9 +43,11 @@ class Rotary:
         self.inv_freq = inv_freq.float()
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
+        """-> cos (T, 1, D) and sin with its first half negated (T, 1, D); see _rotate_."""
         freqs = positions.float().unsqueeze(1) * self.inv_freq.unsqueeze(0)    # (T, D/2)
-        emb = torch.cat([freqs, freqs], dim=-1).unsqueeze(1)                   # (T, 1, D)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        cos, sin = freqs.cos(), freqs.sin()
+        return (torch.cat([cos, cos], dim=-1).unsqueeze(1).to(dtype),
+                torch.cat([-sin, sin], dim=-1).unsqueeze(1).to(dtype))
 
 
 def _llama3_scale(inv_freq: torch.Tensor, rs) -> torch.Tensor:
@@ -60,10 +62,14 @@ def _llama3_scale(inv_freq: torch.Tensor, rs) -> torch.Tensor:
     return torch.where(is_mid, mid, scaled)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+def _rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """In place: x = x * cos + rotate_half(x) * sin for x (T, N, D).
+
+    rotate_half(x) * sin = [-x2, x1] * [sin, sin] = [x2, x1] * [-sin, sin]; swapping the
+    halves is one flip, so the whole rotation is three kernels and no cat."""
+    t, n, d = x.shape
+    swapped = x.view(t, n, 2, d // 2).flip(2).view(t, n, d)
+    x.mul_(cos).addcmul_(swapped, sin)
 
 
 class DecoderLayer(nn.Module):
@@ -82,13 +88,12 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata):
         cfg = self.cfg
-        t = x.shape[0]
-        h = self.input_layernorm(x)
-        q, k, v = self.qkv_proj(h).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q = _rotate(q.view(t, cfg.num_heads, cfg.head_dim), cos, sin)          # (T, H, D)
-        k = _rotate(k.view(t, cfg.num_kv_heads, cfg.head_dim), cos, sin)       # (T, KVH, D)
-        v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
-        attn = paged_attention(q, k, v, kv_cache, self.index, meta, self.scale)
+        t, h, kvh = x.shape[0], cfg.num_heads, cfg.num_kv_heads
+        qkv = self.qkv_proj(self.input_layernorm(x)).view(t, h + 2 * kvh, cfg.head_dim)
+        _rotate_(qkv[:, :h + kvh], cos, sin)           # q and k rotated together, in place
+        # (T, H, D) queries and (T, 2, KVH, D) keys|values, both views of qkv
+        q, kv = qkv[:, :h], qkv[:, h:].unflatten(1, (2, kvh))
+        attn = paged_attention(q, kv, kv_cache, self.index, meta, self.scale)
         x = x + self.o_proj(attn.reshape(t, cfg.q_size))
         gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
         return x + self.down_proj(F.silu(gate) * up)
@@ -103,6 +108,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg)
+        self.quantization: str | None = None
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
@@ -117,8 +123,20 @@ class LlamaModel(nn.Module):
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, hidden) -> (N, vocab) float32."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is None:   # tied, not quantized
+            return F.linear(hidden, self.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
+
+    def quantize(self, method: str) -> None:
+        """Replace every linear layer, the (tied) lm_head included, by its quantized form.
+        Runs after load_weights, so the fused qkv / gate_up weights are quantized whole;
+        the embedding lookup stays in float."""
+        if method != "int8":
+            raise ValueError(f"unknown quantization {method!r}; supported: {', '.join(QUANTIZATIONS)}")
+        quantize_linears(self)
+        if self.lm_head is None:
+            self.lm_head = Int8Linear(self.embed_tokens.weight)
+        self.quantization = method
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up as they arrive."""
@@ -184,10 +202,13 @@ def _expected_names(cfg: ModelConfig) -> list[str]:
 
 
 def build_model(cfg: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]],
-                dtype: torch.dtype) -> LlamaModel:
+                dtype: torch.dtype, quantization: str | None = None) -> LlamaModel:
     with torch.device("meta"):
         model = LlamaModel(cfg)
     model = model.to_empty(device="cpu")
     model.rotary = Rotary(cfg)
     model.load_weights(weights)
-    return model.to(dtype).eval()
+    model = model.to(dtype).eval()
+    if quantization is not None:
+        model.quantize(quantization)
+    return model

@@ -1,6 +1,6 @@
-"""DisaggregatedParams: what a request carries between a context (prefill) worker and a
-generation (decode) worker. The orchestrator sets `request_type`; the CTX worker answers
-with the rest, and the orchestrator relays it to the GEN worker unchanged."""
+"""What a request carries between a context (prefill) worker and a generation (decode)
+worker. The orchestrator sets `request_type`; the CTX worker answers with the rest, and the
+orchestrator relays it to the GEN worker unchanged."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Literal
 import msgspec
 
 from splitserve.errors import InvalidRequestError
+from splitserve.protocol.engine import KVHandle, Logprob
 
 RequestType = Literal["context_only", "generation_only"]
 
@@ -17,8 +18,10 @@ class DisaggregatedParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     request_type: RequestType | None = None   # None: aggregated (prefill and decode here)
     ctx_request_id: str | None = None         # the request's id on the CTX worker
     first_gen_tokens: list[int] | None = None  # sampled by CTX after the prefill
+    first_gen_logprobs: list[Logprob] | None = None
     prompt_len: int | None = None             # prompt tokens whose KV CTX holds
-    kv_handle: dict | None = None             # where and how GEN pulls the KV from CTX
+    kv_handle: KVHandle | None = None         # where and how GEN pulls the KV from CTX
+    prompt_token_ids: list[int] | None = None  # the prompt, relayed so GEN never re-tokenizes
 
     def __post_init__(self):
         _check(self.ctx_request_id is None or self.ctx_request_id != "",
@@ -30,6 +33,17 @@ class DisaggregatedParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                    "first_gen_tokens")
             _check(min(self.first_gen_tokens) >= 0, "first_gen_tokens must be token ids (>= 0)",
                    "first_gen_tokens")
+
+    def check_generation_only(self) -> None:
+        """A generation_only request must say where its KV is and what came first."""
+        for name in ("kv_handle", "first_gen_tokens", "prompt_len", "prompt_token_ids"):
+            _check(getattr(self, name) is not None, f"{name} is required for generation_only", name)
+        _check(self.prompt_len == len(self.prompt_token_ids),
+               f"prompt_len {self.prompt_len} disagrees with the {len(self.prompt_token_ids)} "
+               f"prompt tokens", "prompt_len")
+        _check(self.prompt_len == self.kv_handle.num_tokens,
+               f"prompt_len {self.prompt_len} disagrees with the KV handle's "
+               f"{self.kv_handle.num_tokens} tokens", "prompt_len")
 
 
 def _check(ok: bool, message: str, field: str) -> None:

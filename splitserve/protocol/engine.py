@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import msgspec
 
+from splitserve.errors import InvalidRequestError
 from splitserve.sampling_params import SamplingParams
 
 
@@ -15,6 +16,28 @@ class Logprob(msgspec.Struct, array_like=True):
     logprob: float
     rank: int
     top: list[tuple[int, float]]
+
+
+class KVHandle(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Where a GEN worker pulls a context request's KV from."""
+    backend: str                 # "tcp" | "nixl"
+    endpoint: str                # the CTX engine's KV server
+    ctx_request_id: str
+    layout: str                  # kv.base.layout_fingerprint() of the CTX engine
+    num_tokens: int              # tokens whose KV is held: the prompt
+    agent_metadata: bytes = b""  # backend extra (nixl agent metadata)
+
+    def __post_init__(self):
+        _check(self.num_tokens >= 0, "kv_handle.num_tokens must be non-negative")
+        _check(bool(self.endpoint) and bool(self.ctx_request_id),
+               "kv_handle needs an endpoint and a ctx_request_id")
+
+
+class RemotePrefill(msgspec.Struct, omit_defaults=True):
+    """generation_only: the prompt's KV is on a context worker; CTX sampled first_gen_tokens."""
+    handle: KVHandle
+    first_gen_tokens: list[int]
+    first_gen_logprobs: list[Logprob] | None = None
 
 
 class CompletionDelta(msgspec.Struct, omit_defaults=True):
@@ -33,6 +56,9 @@ class CompletionDelta(msgspec.Struct, omit_defaults=True):
     queue_time: float = 0.0                              # seconds waiting before first scheduled
     error: str | None = None
     error_param: str | None = None                       # set when the engine rejected the input
+    kv_handle: KVHandle | None = None                    # context_only: KV left for a GEN to pull
+    kv_transfer_time: float = 0.0                        # generation_only: seconds to pull the KV
+    admit_time: float = 0.0                              # wall clock the engine accepted it
 
 
 # -- front-end -> engine core ----------------------------------------------------------------
@@ -42,6 +68,8 @@ class AddRequest(msgspec.Struct, tag="add"):
     prompt_len: int
     placeholder: bool = False          # length-only prompt: no token frame values
     arrival_time: float = 0.0          # time.time() when the front-end received the request
+    context_only: bool = False         # prefill, sample one token, lease the KV for a GEN
+    remote: RemotePrefill | None = None   # generation_only: pull the KV, then decode
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):
@@ -63,6 +91,7 @@ class EngineStats(msgspec.Struct, array_like=True):
     kv_blocks_total: int
     prefix_cache_queries: int
     prefix_cache_hits: int
+    kv_blocks_leased: int = 0          # held for generation workers to pull
 
 
 class EngineReady(msgspec.Struct, tag="ready"):
@@ -72,6 +101,7 @@ class EngineReady(msgspec.Struct, tag="ready"):
     max_model_len: int
     num_blocks: int
     block_size: int
+    kv_endpoint: str = ""
 
 
 class EngineOutputs(msgspec.Struct, tag="outputs"):
@@ -84,3 +114,8 @@ class EngineDead(msgspec.Struct, tag="dead"):
 
 
 EngineOutput = EngineReady | EngineOutputs | EngineDead
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise InvalidRequestError(message, "disaggregated_params.kv_handle")

@@ -18,7 +18,9 @@ from splitserve.protocol.engine import CompletionDelta, Logprob
 from splitserve.protocol.openai_requests import ChatCompletionRequest, CompletionRequest
 
 TokenText = Callable[[int], str]
-FINISH_REASONS = ("stop", "length", "abort", "error")   # indexed by FinishReason
+# Indexed by FinishReason; HANDOFF (a context_only request continuing on a generation
+# worker) is not finished from the client's point of view.
+FINISH_REASONS = ("stop", "length", "abort", "error", None)
 DONE = b"data: [DONE]\n\n"
 _MIN_LOGPROB = -9999.0   # JSON has no -inf (msgspec writes null); clients expect a float
 _encode = msgspec.json.Encoder().encode
@@ -201,7 +203,8 @@ class ResponseAccumulator(_Response):
         status, type, param = engine_error(self.failure)
         return status, error_body(self.failure.error, type, param)
 
-    def body(self) -> bytes:
+    def body(self, extra: dict | None = None) -> bytes:
+        """extra: top-level fields to add (disaggregated_params of a context_only answer)."""
         choices = [self._choice(i, c) for i, c in enumerate(self.choices)]
         out = {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                "created": self.created, "model": self.model, "choices": choices,
@@ -209,6 +212,8 @@ class ResponseAccumulator(_Response):
         if self.chat and self.want_prompt_logprobs and self.choices[0].prompt_logprobs:
             out["prompt_logprobs"] = vllm_prompt_logprobs(self.choices[0].prompt_logprobs,
                                                           self.token_text)
+        if extra:
+            out.update(extra)
         return _encode(out)
 
     def _choice(self, index: int, c: _Choice) -> dict:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -19,6 +18,7 @@ from splitserve.server.config import ServerConfig
 from splitserve.server.engine_client import EngineClient, EngineDeadError
 from splitserve.server.generate import GenerateHandlers
 from splitserve.server.metrics import ServerMetrics
+from splitserve.signals import wait_for_stop_signal
 
 logger = logging.getLogger(__name__)
 
@@ -152,13 +152,9 @@ class WorkerServer:
         return runner
 
     async def run(self) -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
         runner = await self.start()
         try:
-            await stop.wait()
+            await wait_for_stop_signal()
         finally:
             await runner.cleanup()
             await self.engine.shutdown()

@@ -24,7 +24,7 @@ from splitserve.engine.process import run_engine_core
 from splitserve.engine.request import FinishReason
 from splitserve.protocol.engine import (
     AbortRequests, AddRequest, CompletionDelta, EngineDead, EngineOutput, EngineOutputs,
-    EngineReady, EngineStats, Shutdown)
+    EngineReady, EngineStats, RemotePrefill, Shutdown)
 from splitserve.sampling_params import SamplingParams
 from splitserve.tokens import PromptTokens
 
@@ -104,7 +104,8 @@ class EngineClient:
 
     # -- requests -------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt: PromptTokens, params: SamplingParams,
-                       arrival_time: float | None = None) -> AsyncIterator[CompletionDelta]:
+                       arrival_time: float | None = None, context_only: bool = False,
+                       remote: RemotePrefill | None = None) -> AsyncIterator[CompletionDelta]:
         """Yields the request's deltas until all n sequences finished. Leaving early (the
         client went away, the task was cancelled) aborts the request in the engine."""
         if not self.healthy:
@@ -112,7 +113,7 @@ class EngineClient:
         q: asyncio.Queue = asyncio.Queue()
         self.queues[request_id] = q
         msg = AddRequest(request_id, params, len(prompt), prompt.is_placeholder,
-                         arrival_time or time.time())
+                         arrival_time or time.time(), context_only, remote)
         frame = b"" if prompt.is_placeholder else memoryview(prompt.array).cast("B")
         open_seqs = params.n
         try:

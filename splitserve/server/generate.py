@@ -17,7 +17,8 @@ import numpy as np
 from aiohttp import web
 
 from splitserve.errors import InvalidRequestError
-from splitserve.protocol.engine import CompletionDelta
+from splitserve.protocol.disagg import DisaggregatedParams
+from splitserve.protocol.engine import CompletionDelta, RemotePrefill
 from splitserve.protocol.openai import (
     DONE, ChatCompletionRequest, CompletionRequest, EchoPrompt, ResponseAccumulator,
     StreamEncoder, decode_chat_request, decode_completion_request, response_id)
@@ -34,19 +35,30 @@ class GenerateHandlers:
         self.server = server          # server.app.WorkerServer: engine, tokenizer, metrics
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        arrival = time.time()
+        arrival = _arrival(request)
         req = decode_completion_request(await request.read())
         self.server.check_model(req.model)
         params = req.sampling_params()
-        prompts, texts = await self._completion_prompts(req)
+        if _request_type(req) == "generation_only":
+            prompts, remote = _relayed_prompt(req)
+            texts = [""]
+            if req.echo:
+                texts = await self.server.in_pool(lambda: [self.server.tokenizer.decode(
+                    prompts[0].array, skip_special_tokens=False)])
+        else:
+            prompts, texts = await self._completion_prompts(req)
+            remote = None
         echo = [EchoPrompt(t, int(p.array[0])) for p, t in zip(prompts, texts)] if req.echo else ()
-        return await self._respond(request, req, prompts, params, echo, arrival)
+        return await self._respond(request, req, prompts, params, echo, arrival, remote)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        arrival = time.time()
+        arrival = _arrival(request)
         req = decode_chat_request(await request.read())
         self.server.check_model(req.model)
         params = req.sampling_params()
+        if _request_type(req) == "generation_only":
+            prompts, remote = _relayed_prompt(req)
+            return await self._respond(request, req, prompts, params, (), arrival, remote)
         tok = self.server.tokenizer
         kwargs = req.chat_template_kwargs or {}
 
@@ -87,22 +99,37 @@ class GenerateHandlers:
                     f"request asks for {want} ({len(p)} in the prompt, {params.max_tokens or 1} "
                     f"to generate)", "prompt" if len(p) >= ready.max_model_len else "max_tokens")
 
-    async def _respond(self, request, req, prompts, params, echo, arrival):
+    async def _respond(self, request, req, prompts, params, echo, arrival, remote=None):
         self._check(prompts, params)
+        context_only = _request_type(req) == "context_only"
+        if (context_only or remote is not None) and len(prompts) > 1:
+            raise InvalidRequestError("a disaggregated request takes one prompt", "prompt")
+        if context_only and req.stream:
+            raise InvalidRequestError("a context_only request cannot stream", "stream")
         chat = isinstance(req, ChatCompletionRequest)
         rid = response_id(chat)
         kwargs = dict(token_text=self.server.token_text, echo=echo, request_id=rid)
-        deltas = self._observe(self._merged(rid, prompts, params, arrival), arrival)
+        deltas = self._observe(self._merged(rid, prompts, params, arrival, context_only, remote),
+                               arrival, remote is not None)
         if req.stream:
             return await self._stream(request, req, deltas, kwargs)
         acc = ResponseAccumulator(req, self.server.model_name, num_prompts=len(prompts), **kwargs)
+        handoff = None
         async with aclosing(deltas):
             async for i, delta in deltas:
                 acc.add(delta, i)
+                handoff = handoff or (delta if delta.kv_handle is not None else None)
         failed = acc.error_response()
         if failed is not None:
             return web.Response(status=failed[0], body=failed[1], content_type="application/json")
-        return web.Response(body=acc.body(), content_type="application/json")
+        extra = None
+        if handoff is not None:
+            extra = {"disaggregated_params": DisaggregatedParams(
+                request_type="context_only", ctx_request_id=handoff.kv_handle.ctx_request_id,
+                first_gen_tokens=handoff.token_ids, first_gen_logprobs=handoff.logprobs,
+                prompt_len=len(prompts[0]), kv_handle=handoff.kv_handle,
+                prompt_token_ids=prompts[0].tolist())}
+        return web.Response(body=acc.body(extra), content_type="application/json")
 
     async def _stream(self, request, req, deltas, kwargs) -> web.StreamResponse:
         enc = StreamEncoder(req, self.server.model_name, **kwargs)
@@ -122,11 +149,12 @@ class GenerateHandlers:
         return resp
 
     async def _merged(self, rid: str, prompts: list[PromptTokens], params: SamplingParams,
-                      arrival: float) -> AsyncIterator[tuple[int, CompletionDelta]]:
+                      arrival: float, context_only: bool = False, remote=None,
+                      ) -> AsyncIterator[tuple[int, CompletionDelta]]:
         """(prompt index, delta) of every prompt's engine request, as they come."""
         engine = self.server.engine
         if len(prompts) == 1:
-            async for delta in engine.generate(rid, prompts[0], params, arrival):
+            async for delta in engine.generate(rid, prompts[0], params, arrival, context_only, remote):
                 yield 0, delta
             return
         q: asyncio.Queue = asyncio.Queue()
@@ -150,7 +178,7 @@ class GenerateHandlers:
             for t in tasks:
                 t.cancel()
 
-    async def _observe(self, deltas, arrival: float):
+    async def _observe(self, deltas, arrival: float, generation_only: bool = False):
         """Latency and token metrics, recorded as deltas pass."""
         m = self.server.metrics
         last: dict[tuple[int, int], float] = {}
@@ -164,6 +192,10 @@ class GenerateHandlers:
                         m.queue.observe(delta.queue_time)
                         if delta.index == 0:
                             m.prompt_tokens.inc(delta.num_prompt_tokens)
+                            m.preprocessing.observe(max(delta.admit_time - arrival, 0.0))
+                        if generation_only:
+                            m.gen_preprocessing.observe(max(delta.admit_time - arrival, 0.0))
+                            m.kv_transfer.observe(delta.kv_transfer_time)
                     else:
                         m.itl.observe(now - prev)
                     last[(i, delta.index)] = now
@@ -171,3 +203,27 @@ class GenerateHandlers:
                 if delta.finish_reason is not None:
                     m.e2e.observe(now - arrival)
                 yield i, delta
+
+
+def _arrival(request: web.Request) -> float:
+    """When the sender wrote the request (its X-Sent-At header, same host clock), else now:
+    so time queued in front of this event loop counts in the preprocessing metrics."""
+    sent = request.headers.get("X-Sent-At")
+    try:
+        return float(sent) if sent else time.time()
+    except ValueError:
+        return time.time()
+
+
+def _request_type(req) -> str | None:
+    dp = req.disaggregated_params
+    return None if dp is None else dp.request_type
+
+
+def _relayed_prompt(req) -> tuple[list[PromptTokens], RemotePrefill]:
+    """generation_only: the prompt arrives as token ids from the context worker's answer;
+    nothing is tokenized or rendered again here."""
+    dp = req.disaggregated_params
+    dp.check_generation_only()
+    prompt = PromptTokens.from_list(dp.prompt_token_ids)
+    return [prompt], RemotePrefill(dp.kv_handle, dp.first_gen_tokens, dp.first_gen_logprobs)

@@ -227,6 +227,12 @@ class ServerMetrics:
         self.e2e = add(Histogram, "e2e_request_latency_seconds", "Arrival to last token")
         self.queue = add(Histogram, "request_queue_time_seconds",
                          "Arrival to first scheduled in the engine")
+        self.preprocessing = add(Histogram, "preprocessing_seconds",
+                                 "Sent (X-Sent-At) or HTTP arrival to engine admission")
+        self.gen_preprocessing = add(Histogram, "gen_preprocessing_seconds",
+                                     "generation_only: sent or arrival to engine admission")
+        self.kv_transfer = add(Histogram, "kv_transfer_seconds",
+                               "generation_only: time to pull the prompt's KV from the context worker")
         self.prompt_tokens = add(Counter, "prompt_tokens_total", "Prompt tokens processed")
         self.generation_tokens = add(Counter, "generation_tokens_total", "Generated tokens")
         self.running = add(Gauge, "num_requests_running", "Requests in the engine's running batch")
@@ -234,6 +240,8 @@ class ServerMetrics:
         self.kv_used = add(Gauge, "kv_blocks_used", "KV cache blocks in use")
         self.kv_total = add(Gauge, "kv_blocks_total", "KV cache blocks in the pool")
         self.kv_usage = add(Gauge, "kv_cache_usage", "Fraction of KV cache blocks in use (0..1)")
+        self.kv_leased = add(Gauge, "kv_blocks_leased",
+                             "KV blocks held for generation workers to pull")
         self.prefix_queries = add(Counter, "prefix_cache_queries_total",
                                   "Prompt tokens looked up in the prefix cache")
         self.prefix_hits = add(Counter, "prefix_cache_hits_total",
@@ -247,6 +255,7 @@ class ServerMetrics:
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.set_kv_blocks(stats.kv_blocks_used, stats.kv_blocks_total)
+        self.kv_leased.set(stats.kv_blocks_leased)
         self.prefix_queries.set_total(stats.prefix_cache_queries)
         self.prefix_hits.set_total(stats.prefix_cache_hits)
 

@@ -1,0 +1,377 @@
+"""`splitserve bench serve`: an async load generator against any OpenAI-compatible server.
+
+Load is closed-loop (--concurrency N workers, each sending its next request when the last one
+ends) or open-loop (--request-rate R arrivals per second: Poisson when --burstiness is 1,
+gamma-distributed gaps with shape=burstiness otherwise; a multi-turn conversation is one
+arrival). Warm-up requests run first and are not measured. The run ends when --num-requests
+have been sent or --duration has passed, whichever comes first; requests in flight finish.
+Metric definitions: `splitserve bench serve --explain` (splitserve/bench/metrics.py).
+
+The result is one JSON document: label, timestamp, command, versions, machine, target,
+load, workload, metrics, metrics_by_class, errors, server, requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import msgspec
+
+from splitserve.bench import metrics as M
+from splitserve.bench import workloads
+from splitserve.bench.workloads import Budget, Load, Turn, WorkloadConfig, sessions
+from splitserve.server.metrics import parse_prometheus
+
+
+@dataclass(frozen=True)
+class ServeBenchConfig:
+    url: str = "http://127.0.0.1:8000"
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    stream: bool = True
+    model: str | None = None                # None: the first model of /v1/models
+    concurrency: int | None = None          # closed loop (1 when neither is given)
+    request_rate: float | None = None       # open loop, requests (conversations) per second
+    burstiness: float = 1.0
+    num_requests: int | None = 100
+    duration: float | None = None           # seconds
+    warmup: int = 0
+    slo: dict[str, float] = field(default_factory=dict)
+    timeout: float = 600.0                  # seconds per request
+    label: str = "run"
+    progress: bool = True
+    command: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if self.concurrency is not None and self.request_rate is not None:
+            raise ValueError("give one of --concurrency and --request-rate, not both")
+        if self.concurrency is not None and self.concurrency < 1:
+            raise ValueError(f"--concurrency must be at least 1, got {self.concurrency}")
+        if self.request_rate is not None and not self.request_rate > 0:
+            raise ValueError(f"--request-rate must be positive, got {self.request_rate}")
+        if not self.burstiness > 0:
+            raise ValueError(f"--burstiness must be positive, got {self.burstiness}")
+        if self.num_requests is None and self.duration is None:
+            raise ValueError("give --num-requests and/or --duration")
+        if (self.num_requests or 1) < 1 or (self.duration or 1) <= 0 or self.warmup < 0:
+            raise ValueError("--num-requests and --duration must be positive, --warmup >= 0")
+        if not self.stream and set(self.slo) & {"ttft", "tpot"}:
+            raise ValueError("ttft and tpot SLOs need a streaming run (drop --no-stream)")
+
+    @property
+    def workers(self) -> int | None:
+        """Closed-loop concurrency; None for an open-loop run."""
+        return None if self.request_rate is not None else (self.concurrency or 1)
+
+
+# -- one request ------------------------------------------------------------------------------
+class _Text(msgspec.Struct):
+    content: str | None = None
+
+
+class _Choice(msgspec.Struct):
+    text: str | None = None          # completions
+    delta: _Text | None = None       # chat, streaming
+    message: _Text | None = None     # chat, not streaming
+
+
+class _Usage(msgspec.Struct):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class _Body(msgspec.Struct):
+    """A response body or one SSE event (unknown fields ignored)."""
+    choices: list[_Choice] = []
+    usage: _Usage | None = None
+    error: Any = None
+
+    def content(self) -> str:
+        return "".join(c.text or (c.delta or c.message or _Text()).content or ""
+                       for c in self.choices)
+
+
+class _Failure(Exception):
+    def __init__(self, kind: str, detail: str):
+        super().__init__(detail)
+        self.kind = kind
+
+
+_DECODER = msgspec.json.Decoder(_Body)
+
+
+def _decode(data: bytes) -> _Body:
+    try:
+        body = _DECODER.decode(data)
+    except msgspec.DecodeError as exc:
+        raise _Failure("invalid_response", f"{exc}: {data[:200]!r}") from None
+    if body.error is not None:
+        raise _Failure("error_event", str(body.error)[:300])
+    return body
+
+
+class ServeClient:
+    """Sends one turn and fills its RequestRecord; never raises for a failed request."""
+
+    def __init__(self, http: aiohttp.ClientSession, url: str, endpoint: str, model: str,
+                 stream: bool):
+        self.http, self.model, self.stream = http, model, stream
+        self.chat = endpoint == "chat"
+        self.url = url.rstrip("/") + ("/v1/chat/completions" if self.chat else "/v1/completions")
+
+    async def send(self, rec: M.RequestRecord, turn: Turn, history: list[dict]) -> str:
+        """The answer's text ("" on failure)."""
+        body = workloads.request_body(turn, history, self.model, self.chat, self.stream)
+        data = msgspec.json.encode(body)
+        t0 = time.perf_counter()
+        try:
+            async with self.http.post(self.url, data=data, headers=_JSON) as resp:
+                if resp.status != 200:
+                    detail = (await resp.read())[:300].decode(errors="replace")
+                    raise _Failure(f"http_{resp.status}", detail)
+                if self.stream:
+                    return await self._read_stream(resp, rec, t0)
+                return await self._read_body(resp, rec, t0)
+        except _Failure as exc:
+            return _fail(rec, exc.kind, str(exc))
+        except TimeoutError:           # aiohttp's timeout errors subclass it
+            return _fail(rec, "timeout", "no complete response within the timeout")
+        except aiohttp.ClientError as exc:
+            return _fail(rec, "connection", f"{type(exc).__name__}: {exc}")
+        except ValueError as exc:      # e.g. an SSE line longer than the reader's limit
+            return _fail(rec, "invalid_response", str(exc))
+
+    async def _read_stream(self, resp, rec: M.RequestRecord, t0: float) -> str:
+        if resp.content_type != "text/event-stream":
+            raise _Failure("invalid_response", f"content type {resp.content_type!r}, not SSE")
+        pieces, last, usage = [], None, None
+        async for line in resp.content:                 # one SSE line at a time
+            now = time.perf_counter()
+            if not line.startswith(b"data:") or rec.e2e is not None:
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                rec.e2e = now - t0                     # read on to EOF so the connection is reused
+                continue
+            event = _decode(data)
+            usage = event.usage or usage
+            if text := event.content():
+                if last is None:
+                    rec.ttft = now - t0
+                else:
+                    rec.itl.append(now - last)
+                last = now
+                pieces.append(text)
+        if rec.e2e is None:
+            raise _Failure("incomplete_stream", f"no [DONE] after {len(pieces)} content chunks")
+        if not pieces:
+            raise _Failure("empty_response", "the stream carried no content")
+        _count_tokens(rec, usage, len(pieces))
+        return "".join(pieces)
+
+    async def _read_body(self, resp, rec: M.RequestRecord, t0: float) -> str:
+        data = await resp.read()
+        rec.e2e = time.perf_counter() - t0
+        body = _decode(data)
+        text = body.content()
+        if (body.usage.completion_tokens if body.usage else len(text)) == 0:
+            raise _Failure("empty_response", "the response carried no output token")
+        _count_tokens(rec, body.usage, rec.max_tokens)
+        return text
+
+
+_JSON = {"Content-Type": "application/json"}
+
+
+def _count_tokens(rec: M.RequestRecord, usage: _Usage | None, counted: int) -> None:
+    rec.usage = usage is not None
+    rec.prompt_tokens = usage.prompt_tokens if usage else rec.input_len
+    rec.output_tokens = usage.completion_tokens if usage else counted
+
+
+def _fail(rec: M.RequestRecord, kind: str, detail: str) -> str:
+    rec.error, rec.detail = kind, detail
+    rec.ttft, rec.e2e, rec.itl = None, None, []   # a failed request has no latency
+    return ""
+
+
+async def served_model(http: aiohttp.ClientSession, url: str) -> str:
+    try:
+        async with http.get(url.rstrip("/") + "/v1/models") as resp:
+            resp.raise_for_status()
+            return (await resp.json())["data"][0]["id"]
+    except (aiohttp.ClientError, TimeoutError, KeyError, IndexError, ValueError) as exc:
+        raise RuntimeError(f"could not read the model name from {url}/v1/models ({exc}); "
+                           "pass --model") from None
+
+
+async def scrape_metrics(http: aiohttp.ClientSession, url: str) -> dict | str:
+    """parse_prometheus(GET /metrics), or why there is none."""
+    try:
+        async with http.get(url.rstrip("/") + "/metrics") as resp:
+            if resp.status != 200:
+                return f"GET /metrics answered {resp.status}"
+            return parse_prometheus(await resp.text())
+    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+        return f"GET /metrics failed: {exc}"
+
+
+# -- a run ------------------------------------------------------------------------------------
+async def _measure(client: ServeClient, cfg: ServeBenchConfig) -> Load:
+    wl = cfg.workload
+    load = Load(client.send, Budget(cfg.num_requests, cfg.duration))
+    progress = asyncio.create_task(load.progress(cfg.num_requests)) if cfg.progress else None
+    try:
+        if cfg.workers is not None:
+            await load.closed_loop(sessions(wl), cfg.workers)
+        else:
+            await load.open_loop(sessions(wl), cfg.request_rate, cfg.burstiness, wl.seed)
+    finally:
+        if progress is not None:
+            progress.cancel()
+            await asyncio.gather(progress, return_exceptions=True)
+    return load
+
+
+async def benchmark(cfg: ServeBenchConfig) -> dict:
+    """Run the benchmark against cfg.url; the result document (see the module docstring)."""
+    # Open loop: no connection cap, or arrivals would queue in the client and inflate TTFT.
+    limit = cfg.workers or 0
+    connector = aiohttp.TCPConnector(limit=limit, limit_per_host=limit)
+    async with aiohttp.ClientSession(connector=connector,
+                                     timeout=aiohttp.ClientTimeout(total=cfg.timeout)) as http:
+        model = cfg.model or await served_model(http, cfg.url)
+        client = ServeClient(http, cfg.url, cfg.workload.endpoint, model, cfg.stream)
+        if cfg.warmup:
+            warm_cfg = dataclasses.replace(cfg.workload, seed=cfg.workload.seed + 1)
+            await Load(client.send, Budget(cfg.warmup, None)).closed_loop(
+                sessions(warm_cfg), min(cfg.warmup, cfg.workers or 1))
+        before = await scrape_metrics(http, cfg.url)
+        load = await _measure(client, cfg)
+        # The server records a request's metrics before it writes [DONE]: nothing is missed.
+        after = await scrape_metrics(http, cfg.url) if isinstance(before, dict) else before
+    return _result(cfg, model, load, before, after)
+
+
+def _result(cfg: ServeBenchConfig, model: str, load: Load, before, after) -> dict:
+    records, slo, duration = load.records, cfg.slo, load.duration
+    summary = M.summarize(records, duration, slo)
+    server = ({"available": True, **M.server_deltas(before, after)}
+              if isinstance(before, dict) and isinstance(after, dict)
+              else {"available": False, "reason": after if isinstance(after, str) else before})
+    return {
+        "label": cfg.label, "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "command": list(cfg.command), "versions": _versions(), "machine": _machine(),
+        "target": {"url": cfg.url, "endpoint": cfg.workload.endpoint, "model": model,
+                   "stream": cfg.stream},
+        "load": {"concurrency": cfg.workers, "request_rate": cfg.request_rate,
+                 "burstiness": cfg.burstiness, "num_requests": cfg.num_requests,
+                 "duration": cfg.duration, "warmup": cfg.warmup, "timeout": cfg.timeout},
+        "workload": dataclasses.asdict(cfg.workload),
+        "metrics": summary, "metrics_by_class": M.summarize_by_class(records, duration, slo),
+        "errors": summary["errors"], "server": server,
+        "requests": msgspec.to_builtins(records),
+    }
+
+
+def _versions() -> dict:
+    from importlib import metadata
+
+    import splitserve
+
+    def version(package: str) -> str | None:
+        try:
+            return metadata.version(package)
+        except metadata.PackageNotFoundError:
+            return None
+    return {"splitserve": splitserve.__version__, "python": platform.python_version(),
+            **{p: version(p) for p in ("torch", "aiohttp", "numpy")}}
+
+
+def _machine() -> dict:
+    def lines(path: str) -> list[str]:
+        try:
+            with open(path) as f:
+                return f.read().splitlines()
+        except OSError:
+            return []
+    cpu = [ln.split(":", 1)[1].strip() for ln in lines("/proc/cpuinfo")
+           if ln.startswith("model name")]
+    mem = [int(ln.split()[1]) * 1024 for ln in lines("/proc/meminfo") if ln.startswith("MemTotal:")]
+    return {"nproc": os.cpu_count(), "cpus_usable": len(os.sched_getaffinity(0)),
+            "memory_bytes": mem[0] if mem else None,
+            "cpu_model": cpu[0] if cpu else platform.processor() or None,
+            "platform": platform.platform()}
+
+
+# -- command line -----------------------------------------------------------------------------
+def add_arguments(p) -> None:
+    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--endpoint", choices=["completions", "chat"], default=None,
+                   help="default: chat for multi-turn and mixed, completions otherwise")
+    p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--model", default=None, help="default: the first model of /v1/models")
+    load = p.add_mutually_exclusive_group()
+    load.add_argument("--concurrency", type=int, default=None, help="closed loop (default 1)")
+    load.add_argument("--request-rate", type=float, default=None, help="open loop, per second")
+    p.add_argument("--burstiness", type=float, default=1.0, help="1: Poisson; <1 burstier")
+    p.add_argument("--num-requests", type=int, default=None, help="default 100 without --duration")
+    p.add_argument("--duration", type=float, default=None, help="seconds")
+    p.add_argument("--warmup", type=int, default=0, help="requests sent first, not measured")
+    p.add_argument("--slo", default=None, help="goodput bounds in seconds: ttft=0.5,tpot=0.05")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    workloads.add_arguments(p)
+    p.add_argument("--json", default=None, help="default: bench-results/<label>-<time>.json")
+    p.add_argument("--label", default=None, help="default: <workload>-c<N> or <workload>-r<R>")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--explain", action="store_true", help="print the metric definitions")
+
+
+def config_from_args(args) -> ServeBenchConfig:
+    rate, concurrency = args.request_rate, args.concurrency
+    num = 100 if args.num_requests is None and args.duration is None else args.num_requests
+    wl = workloads.config_from_args(args)
+    label = args.label or f"{wl.kind}-" + (f"c{concurrency or 1}" if rate is None else f"r{rate:g}")
+    return ServeBenchConfig(
+        url=args.url, workload=wl, stream=args.stream, model=args.model,
+        concurrency=concurrency, request_rate=rate, burstiness=args.burstiness,
+        num_requests=num, duration=args.duration, warmup=args.warmup,
+        slo=M.parse_slo(args.slo), timeout=args.timeout, label=label,
+        progress=not args.no_progress, command=tuple(sys.argv))
+
+
+def run(args) -> dict:
+    if args.explain:
+        print(M.__doc__)
+        return {}
+    try:
+        cfg = config_from_args(args)
+    except ValueError as exc:
+        raise SystemExit(f"splitserve bench serve: {exc}") from None
+    try:
+        import uvloop
+        loop_factory = uvloop.new_event_loop
+    except ImportError:
+        loop_factory = None
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        try:
+            result = runner.run(benchmark(cfg))
+        except RuntimeError as exc:     # no model name to send
+            raise SystemExit(f"splitserve bench serve: {exc}") from None
+    path = args.json or os.path.join("bench-results",
+                                     f"{cfg.label}-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print(M.format_table(result))
+    print(f"results: {path}")
+    return result

@@ -1,0 +1,92 @@
+"""The engine side of disaggregation: leasing a context_only request's KV, and pulling a
+generation_only request's KV before it decodes.
+
+Runs on the engine thread except for the transport's `done` callbacks, which only queue
+results (and wake an idle engine loop); every block-manager call stays on the engine thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+
+from splitserve.config import KVTransferConfig
+from splitserve.engine.block_manager import BlockManager
+from splitserve.engine.kv_leases import LeaseTable
+from splitserve.engine.request import Request
+from splitserve.errors import InvalidRequestError
+from splitserve.kv.base import PullResult, layout_fingerprint, make_transport
+from splitserve.protocol.engine import KVHandle, RemotePrefill
+
+logger = logging.getLogger(__name__)
+
+
+class RemoteKV:
+    def __init__(self, config: KVTransferConfig, bm: BlockManager, kv_cache, model_config, dtype):
+        self.config = config
+        self.bm = bm
+        self.layout = layout_fingerprint(model_config, dtype, bm.block_size)
+        self.wake = lambda: None          # the process wrapper points this at its loop
+        self.leases = LeaseTable(config.lease_seconds, wake=lambda: self.wake())
+        self.transport = make_transport(config.backend, kv_cache, self.layout, host=config.host,
+                                        port=config.port, timeout=config.timeout)
+        self.endpoint = self.transport.start(self.leases)
+        self.results: queue.SimpleQueue = queue.SimpleQueue()
+        logger.info("engine: KV transport %s at %s", config.backend, self.endpoint)
+
+    # -- context_only ---------------------------------------------------------------------
+    def lease(self, req: Request) -> KVHandle:
+        """Move req's block references into a lease; the caller finishes the request."""
+        self.leases.add(req.request_id, req.block_ids, req.num_prompt_tokens)
+        req.block_ids = []
+        return KVHandle(backend=self.config.backend, endpoint=self.endpoint,
+                        ctx_request_id=req.request_id, layout=self.layout,
+                        num_tokens=req.num_prompt_tokens,
+                        agent_metadata=self.transport.agent_metadata())
+
+    def release_ended_leases(self) -> None:
+        for block_ids in self.leases.collect():
+            self.bm.free_blocks(block_ids)
+
+    # -- generation_only ------------------------------------------------------------------
+    def check(self, remote: RemotePrefill, prompt_len: int, vocab_size: int) -> None:
+        h = remote.handle
+        if h.layout != self.layout:
+            raise InvalidRequestError(f"KV layout mismatch: the context worker has [{h.layout}], "
+                                      f"this worker has [{self.layout}]",
+                                      "disaggregated_params.kv_handle")
+        if h.backend != self.config.backend:
+            raise InvalidRequestError(f"the context worker uses KV backend {h.backend!r}, this "
+                                      f"worker {self.config.backend!r}", "disaggregated_params.kv_handle")
+        if h.num_tokens != prompt_len:
+            raise InvalidRequestError(f"prompt_len {prompt_len} disagrees with the KV handle's "
+                                      f"{h.num_tokens} tokens", "disaggregated_params.prompt_len")
+        if not remote.first_gen_tokens or not all(0 <= t < vocab_size for t in remote.first_gen_tokens):
+            raise InvalidRequestError("first_gen_tokens must be token ids of this vocabulary",
+                                      "disaggregated_params.first_gen_tokens")
+
+    def start_pull(self, req: Request) -> None:
+        n_blocks = self.bm.blocks_needed(req.num_prompt_tokens)
+        req.pulling = True
+        self.transport.pull(req.remote.handle, req.block_ids[:n_blocks],
+                            lambda result: self._done(req, result))
+
+    def _done(self, req: Request, result: PullResult) -> None:   # a transport thread
+        self.results.put((req, result))
+        self.wake()
+
+    def finished_pulls(self) -> list[tuple[Request, PullResult]]:
+        out = []
+        while not self.results.empty():
+            req, result = self.results.get()
+            req.pulling = False
+            out.append((req, result))
+        return out
+
+    @property
+    def num_leased_blocks(self) -> int:
+        return self.leases.num_leased_blocks
+
+    def close(self) -> None:
+        self.transport.close()

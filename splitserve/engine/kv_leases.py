@@ -1,0 +1,74 @@
+"""KV leases: a context_only request's blocks, held for a generation worker to pull.
+
+The engine thread owns the table and every block-manager call; transport threads only
+read a lease (lookup) and ask for its release, which is queued and applied by the engine
+thread. A lease ends on the GEN's ack or when it expires: a dead GEN leaks nothing.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from splitserve.kv.base import LeaseView
+
+
+@dataclass
+class Lease:
+    block_ids: list[int]
+    num_tokens: int
+    expires_at: float
+    sending: bool = field(default=False)
+
+
+class LeaseTable(LeaseView):
+    def __init__(self, lease_seconds: float, wake=lambda: None):
+        self.lease_seconds = lease_seconds
+        self.leases: dict[str, Lease] = {}
+        self.released: queue.SimpleQueue = queue.SimpleQueue()
+        self.wake = wake   # tells an idle engine loop there is work
+        self._lock = threading.Lock()
+
+    def add(self, ctx_request_id: str, block_ids: list[int], num_tokens: int) -> None:
+        with self._lock:
+            self.leases[ctx_request_id] = Lease(list(block_ids), num_tokens,
+                                                time.monotonic() + self.lease_seconds)
+
+    # -- transport threads ----------------------------------------------------------------
+    def lookup(self, ctx_request_id: str) -> tuple[list[int], int] | None:
+        with self._lock:
+            lease = self.leases.get(ctx_request_id)
+            if lease is None:
+                return None
+            lease.sending = True    # not expired under an in-flight send
+            return lease.block_ids, lease.num_tokens
+
+    def release(self, ctx_request_id: str) -> None:
+        self.released.put(ctx_request_id)
+        self.wake()
+
+    # -- engine thread --------------------------------------------------------------------
+    def collect(self, now: float | None = None) -> list[list[int]]:
+        """Block lists whose lease ended (acked, or expired and not mid-send)."""
+        now = time.monotonic() if now is None else now
+        done = []
+        with self._lock:
+            while not self.released.empty():
+                lease = self.leases.pop(self.released.get(), None)
+                if lease is not None:
+                    done.append(lease.block_ids)
+            for rid in [r for r, l in self.leases.items() if l.expires_at <= now and
+                        (not l.sending or l.expires_at + self.lease_seconds <= now)]:
+                done.append(self.leases.pop(rid).block_ids)
+        return done
+
+    @property
+    def num_leased_blocks(self) -> int:
+        with self._lock:
+            return sum(len(l.block_ids) for l in self.leases.values())
+
+    def next_expiry(self) -> float | None:
+        with self._lock:
+            return min((l.expires_at for l in self.leases.values()), default=None)

@@ -1,0 +1,100 @@
+"""KV transfer between engine-core processes: what every backend provides.
+
+GEN pulls, CTX serves. Each engine-core process owns one transport; its I/O runs on the
+transport's own threads, never on a front-end event loop and never on the step thread.
+The transport only moves bytes of whole KV blocks: which blocks, and when they may be
+freed, is the engine's business (splitserve/engine/kv_leases.py).
+"""
+
+from __future__ import annotations
+
+import abc
+import hashlib
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from splitserve.model.config import ModelConfig
+from splitserve.protocol.engine import KVHandle
+
+
+@dataclass(frozen=True)
+class PullResult:
+    ok: bool
+    error: str | None = None
+    nbytes: int = 0
+    seconds: float = 0.0
+
+
+def layout_fingerprint(cfg: ModelConfig, dtype: torch.dtype, block_size: int) -> str:
+    """Readable, so a mismatch error says what differs."""
+    return (f"{cfg.name}|{str(dtype).removeprefix('torch.')}|layers={cfg.num_layers}"
+            f"|kv_heads={cfg.num_kv_heads}|head_dim={cfg.head_dim}|block={block_size}")
+
+
+def short_hash(text: str) -> str:
+    return hashlib.blake2b(text.encode(), digest_size=6).hexdigest()
+
+
+class LeaseView(abc.ABC):
+    """What a transport may ask the engine about leased blocks (called from I/O threads)."""
+
+    @abc.abstractmethod
+    def lookup(self, ctx_request_id: str) -> tuple[list[int], int] | None:
+        """(block ids, num_tokens) of a live lease, marked as being sent; None if unknown."""
+
+    @abc.abstractmethod
+    def release(self, ctx_request_id: str) -> None:
+        """GEN has the bytes: the engine may free the blocks (it does so on its own thread)."""
+
+
+class KVTransport(abc.ABC):
+    """One per engine-core process. `start` binds the serving side; `pull` copies remote
+    blocks into local ones and calls `done` from a transport thread when finished."""
+
+    name: str = ""
+
+    def __init__(self, kv_cache: torch.Tensor, layout: str):
+        self.kv_cache = kv_cache     # (num_blocks, layers, 2, block_size, kv_heads, head_dim)
+        self.layout = layout
+
+    @abc.abstractmethod
+    def start(self, leases: LeaseView) -> str:
+        """Start serving leased blocks; returns this engine's endpoint for KVHandles."""
+
+    @abc.abstractmethod
+    def pull(self, handle: KVHandle, dst_blocks: list[int], done: Callable[[PullResult], None]) -> None:
+        """Copy the handle's blocks into dst_blocks (same count), then call done once."""
+
+    def agent_metadata(self) -> bytes:
+        return b""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        ...
+
+    def block_bytes(self, block_id: int) -> torch.Tensor:
+        """A block's KV for all layers as a flat uint8 view: contiguous, no copy."""
+        return self.kv_cache[block_id].view(-1).view(torch.uint8)
+
+
+TRANSPORTS: dict[str, Callable[..., KVTransport]] = {}
+
+
+def register(name: str):
+    def deco(cls):
+        cls.name = name
+        TRANSPORTS[name] = cls
+        return cls
+    return deco
+
+
+def make_transport(name: str, kv_cache: torch.Tensor, layout: str, **options) -> KVTransport:
+    if name == "nixl" and name not in TRANSPORTS:
+        import splitserve.kv.nixl  # noqa: F401  (optional dependency, imported on demand)
+    if name not in TRANSPORTS:
+        import splitserve.kv.tcp  # noqa: F401
+    if name not in TRANSPORTS:
+        raise ValueError(f"unknown KV transport {name!r}; known: {', '.join(sorted(TRANSPORTS))}")
+    return TRANSPORTS[name](kv_cache, layout, **options)

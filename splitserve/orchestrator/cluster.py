@@ -1,0 +1,71 @@
+"""Cluster configuration (the orchestrator's YAML) and the live view of its servers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import yaml
+
+RELAY_MODES = ("list",)
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    urls: tuple[str, ...]
+    router: str = "round_robin"
+
+    def __post_init__(self):
+        if not self.urls:
+            raise ValueError("a server pool needs at least one url")
+        from splitserve.orchestrator.routers import ROUTERS
+        if self.router not in ROUTERS:
+            raise ValueError(f"unknown router {self.router!r}; known: {', '.join(ROUTERS)}")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    context_servers: PoolConfig
+    generation_servers: PoolConfig
+    host: str = "127.0.0.1"
+    port: int = 8000
+    token_relay: str = "list"
+    request_timeout: float = 600.0
+    health_check_interval: float = 2.0
+
+    def __post_init__(self):
+        if self.token_relay not in RELAY_MODES:
+            raise ValueError(f"token_relay must be one of {', '.join(RELAY_MODES)}")
+
+    @classmethod
+    def from_yaml(cls, path: str) -> ClusterConfig:
+        with open(path) as f:
+            raw = yaml.safe_load(f) or {}
+        return cls.from_dict(raw, where=path)
+
+    @classmethod
+    def from_dict(cls, raw: dict, where: str = "cluster config") -> ClusterConfig:
+        try:
+            pools = {k: _pool(raw.pop(k)) for k in ("context_servers", "generation_servers")}
+        except KeyError as exc:
+            raise ValueError(f"{where}: missing {exc.args[0]}") from None
+        unknown = set(raw) - {f for f in cls.__dataclass_fields__}
+        if unknown:
+            raise ValueError(f"{where}: unknown keys {sorted(unknown)}")
+        return cls(**pools, **raw)
+
+
+def _pool(raw) -> PoolConfig:
+    if isinstance(raw, list):
+        return PoolConfig(tuple(raw))
+    return PoolConfig(tuple(raw.get("urls", ())), raw.get("router", "round_robin"))
+
+
+@dataclass
+class Server:
+    url: str
+    healthy: bool = True
+    in_flight: int = 0
+    failures: int = field(default=0)
+
+    def __hash__(self) -> int:
+        return hash(self.url)

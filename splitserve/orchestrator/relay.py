@@ -1,0 +1,116 @@
+"""One client request through the cluster: CTX prefill, then GEN decode streamed back.
+
+The orchestrator decodes the client body once (to add disaggregated_params), relays CTX's
+answer to GEN per the token relay mode, and passes GEN's response bytes through untouched.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from splitserve.errors import InvalidRequestError
+from splitserve.protocol.openai import error_body, sse_error
+
+logger = logging.getLogger(__name__)
+
+SSE = "text/event-stream"
+
+
+class UpstreamError(Exception):
+    """No server of a pool could take the request (all down or unreachable)."""
+
+
+def needs_aggregated(body: dict) -> bool:
+    """Requests the split path does not serve: they run whole on a generation worker.
+    n > 1 (siblings fork from one prefill), and prompt logprobs (GEN does not prefill)."""
+    return ((body.get("n") or 1) > 1 or body.get("prompt_logprobs") is not None
+            or (bool(body.get("echo")) and body.get("logprobs") is not None))
+
+
+def prefix_key(body: dict) -> bytes:
+    """The first bytes of the prompt: what prefix_aware routing groups by."""
+    prompt = body.get("prompt")
+    if prompt is None:
+        prompt = [m.get("content") for m in body.get("messages") or [] if isinstance(m, dict)]
+    return orjson.dumps(prompt)[:256]
+
+
+def parse_body(raw: bytes) -> dict:
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        raise InvalidRequestError("the request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise InvalidRequestError("the request body must be a JSON object")
+    dp = body.get("disaggregated_params")
+    if dp is not None:
+        raise InvalidRequestError("disaggregated_params is set by the orchestrator, not the client",
+                                  "disaggregated_params")
+    return body
+
+
+def context_body(body: dict) -> dict:
+    out = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+    out["stream"] = False
+    out["disaggregated_params"] = {"request_type": "context_only"}
+    return out
+
+
+def generation_body(body: dict, ctx_params: dict) -> dict:
+    return {**body, "disaggregated_params": {**ctx_params, "request_type": "generation_only"}}
+
+
+def as_stream(answer: dict, include_usage: bool) -> bytes:
+    """A finished non-streaming answer (CTX ended the request) as the SSE a client expects."""
+    chat = answer.get("object") == "chat.completion"
+    head = {k: answer[k] for k in ("id", "created", "model") if k in answer}
+    head["object"] = "chat.completion.chunk" if chat else "text_completion"
+    out = []
+    for c in answer.get("choices", []):
+        if chat:
+            msg = c.get("message") or {}
+            choice = {"index": c["index"], "delta": {"role": "assistant", "content": msg.get("content")},
+                      "logprobs": c.get("logprobs"), "finish_reason": c.get("finish_reason")}
+        else:
+            choice = {"index": c["index"], "text": c.get("text", ""), "logprobs": c.get("logprobs"),
+                      "finish_reason": c.get("finish_reason")}
+        out.append(b"data: " + orjson.dumps({**head, "choices": [choice]}) + b"\n\n")
+    if include_usage and "usage" in answer:
+        out.append(b"data: " + orjson.dumps({**head, "choices": [], "usage": answer["usage"]}) + b"\n\n")
+    out.append(b"data: [DONE]\n\n")
+    return b"".join(out)
+
+
+async def pass_through(request: web.Request, upstream: aiohttp.ClientResponse) -> web.StreamResponse:
+    """Copy GEN's status, content type and body bytes to the client as they arrive."""
+    ctype = upstream.headers.get("Content-Type", "application/json")
+    if not ctype.startswith(SSE):
+        return web.Response(status=upstream.status, body=await upstream.read(),
+                            headers={"Content-Type": ctype})
+    resp = web.StreamResponse(status=upstream.status,
+                              headers={"Content-Type": ctype, "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    try:
+        async for chunk in upstream.content.iter_any():
+            await resp.write(chunk)
+    except (aiohttp.ClientError, ConnectionError) as exc:   # GEN died mid-stream
+        logger.warning("orch: generation stream broke: %s", exc)
+        await resp.write(sse_error(f"the generation worker failed mid-stream: {exc}"))
+        await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
+
+
+def json_error(status: int, message: str, type: str = "server_error",
+               param: str | None = None) -> web.Response:
+    return web.Response(status=status, body=error_body(message, type, param),
+                        content_type="application/json")
+
+
+def now() -> float:
+    return time.time()

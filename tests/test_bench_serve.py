@@ -1,0 +1,228 @@
+"""`splitserve bench serve` and `bench plot`: against a real tiny worker, against a server
+that misbehaves on purpose, and the plots drawn from result files."""
+
+import asyncio
+import json
+import struct
+
+import msgspec
+import pytest
+from aiohttp import web
+
+from splitserve.bench import metrics, plot, serve
+from splitserve.bench.serve import ServeBenchConfig
+from splitserve.bench.workloads import WorkloadConfig
+from splitserve.cli import main
+from splitserve.server.metrics import parse_prometheus
+from server_utils import Worker
+
+LATENCIES = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
+STATS = {"count", "mean", "p50", "p90", "p99", "max"}
+SERVER_E2E = "splitserve_e2e_request_latency_seconds"
+SERVER_TTFT = "splitserve_time_to_first_token_seconds"
+
+
+@pytest.fixture(scope="module")
+def worker():
+    w = Worker("--model", "tiny-random", "--dtype", "float32")
+    yield w
+    w.close()
+
+
+def bench(url: str, workload: WorkloadConfig, **kwargs) -> dict:
+    cfg = ServeBenchConfig(url=url, workload=workload, progress=False, **kwargs)
+    return asyncio.run(serve.benchmark(cfg))
+
+
+def agree(server_ms: float, client_ms: float) -> bool:
+    """The client sees everything the server measures plus the network and its own loop."""
+    return server_ms <= client_ms <= 2 * server_ms + 50
+
+
+# -- against a real worker --------------------------------------------------------------------
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+@pytest.mark.parametrize("stream", [True, False])
+def test_benchmark_matches_the_servers_own_metrics(worker, endpoint, stream):
+    wl = WorkloadConfig(endpoint=endpoint, input_len=32, output_len=8)
+    result = bench(worker.url, wl, stream=stream, concurrency=4, num_requests=12)
+    m = result["metrics"]
+    assert m["completed"] == 12 and m["failed"] == 0 and result["errors"] == {}
+    assert all(set(m[k]) == STATS for k in LATENCIES)
+    assert m["request_throughput"] > 0 and m["output_throughput"] > 0
+    assert [(r["output_tokens"], r["usage"]) for r in result["requests"]] == [(8, True)] * 12
+    assert m["total_output_tokens"] == 96
+    if endpoint == "completions":
+        assert m["total_input_tokens"] == 12 * 32     # token ids: exact input lengths
+    server = result["server"]
+    assert server["available"]
+    assert server["counters"]["splitserve_generation_tokens_total"] == 96
+    path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+    assert server["counters"][f'splitserve_requests_total{{endpoint="{path}",status="200"}}'] == 12
+    e2e = server["histograms"][SERVER_E2E]
+    assert e2e["count"] == 12 and agree(e2e["mean_ms"], m["e2e_ms"]["mean"])
+    if stream:
+        assert m["ttft_ms"]["count"] == m["tpot_ms"]["count"] == 12 and m["itl_ms"]["count"] > 0
+        assert agree(server["histograms"][SERVER_TTFT]["mean_ms"], m["ttft_ms"]["mean"])
+    else:    # no stream, no token timing: absent, never made up
+        assert m["ttft_ms"]["count"] == m["itl_ms"]["count"] == 0 and m["ttft_ms"]["mean"] is None
+
+
+def test_command_line_writes_json_and_prints_table(worker, tmp_path, capsys):
+    out = tmp_path / "run.json"
+    main(["bench", "serve", "--url", worker.url, "--concurrency", "2", "--num-requests", "6",
+          "--input-len", "16", "--output-len", "4", "--warmup", "2", "--slo", "ttft=10,tpot=10",
+          "--label", "tiny-c2", "--json", str(out), "--no-progress"])
+    table = capsys.readouterr().out
+    assert "tiny-c2" in table and "TTFT" in table and SERVER_E2E in table
+    result = json.loads(out.read_text())
+    assert set(result) == {"label", "timestamp", "command", "versions", "machine", "target",
+                           "load", "workload", "metrics", "metrics_by_class", "errors", "server",
+                           "requests"}
+    assert result["target"]["model"] == "tiny-random"       # asked /v1/models
+    assert result["machine"]["nproc"] >= 1 and result["versions"]["splitserve"]
+    assert len(result["requests"]) == 6                      # warm-up not recorded
+    assert result["server"]["histograms"][SERVER_E2E]["count"] == 6   # nor in the deltas
+    assert result["metrics"]["goodput"] == pytest.approx(result["metrics"]["request_throughput"])
+
+
+def test_multi_turn_and_mixed_workloads(worker):
+    wl = WorkloadConfig(kind="multi-turn", endpoint="chat", input_len=8, output_len=4, turns=3)
+    result = bench(worker.url, wl, concurrency=2, num_requests=6)
+    convs = {}
+    for r in result["requests"]:
+        convs.setdefault(r["conversation"], []).append(r["prompt_tokens"])
+    assert result["metrics"]["completed"] == 6 and len(convs) == 2
+    assert all(len(p) == 3 and p[0] < p[1] < p[2] for p in convs.values())   # history grows
+
+    wl = WorkloadConfig(kind="mixed", endpoint="chat", input_len=8, output_len=4,
+                        long_fraction=0.5, long_len_min=200, long_len_max=300)
+    result = bench(worker.url, wl, request_rate=50.0, num_requests=10)
+    by_class = result["metrics_by_class"]
+    assert set(by_class) == {"short", "long"} and result["metrics"]["failed"] == 0
+    assert sum(c["completed"] for c in by_class.values()) == 10
+
+
+# -- against a server that fails on purpose ---------------------------------------------------
+SSE = {"Content-Type": "text/event-stream"}
+BEHAVIOURS = ["ok", "http_500", "drop", "no_done", "error_event", "garbage", "empty", "slow"]
+TIMEOUT = 1.0
+
+
+def _event(obj) -> bytes:
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+def _chunk(text: str) -> bytes:
+    return _event({"choices": [{"index": 0, "text": text, "finish_reason": None}]})
+
+
+async def _misbehave(request: web.Request, n: list[int]) -> web.StreamResponse:
+    behaviour = BEHAVIOURS[n[0] % len(BEHAVIOURS)]    # by arrival: each kind equally often
+    n[0] += 1
+    if behaviour == "http_500":
+        return web.json_response({"error": {"message": "boom"}}, status=500)
+    if behaviour == "slow":
+        await asyncio.sleep(30 * TIMEOUT)   # cancelled when the client gives up
+    resp = web.StreamResponse(headers=SSE)
+    await resp.prepare(request)
+    if behaviour == "ok":
+        await asyncio.sleep(0.05)      # successes are slow: a failure counted as one would show
+        for text in "abcd":
+            await resp.write(_chunk(text))
+        await resp.write(_event({"choices": [], "usage": {"prompt_tokens": 3,
+                                                          "completion_tokens": 4}}))
+    elif behaviour == "drop":
+        await resp.write(_chunk("a"))
+        request.transport.abort()      # the connection breaks mid-stream
+        return resp
+    elif behaviour == "no_done":
+        await resp.write(_chunk("a"))
+        await resp.write_eof()         # a clean end, but no [DONE]
+        return resp
+    elif behaviour == "error_event":
+        await resp.write(_event({"error": {"message": "engine failed", "code": 500}}))
+    elif behaviour == "garbage":
+        await resp.write(b"data: {not json\n\n")
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
+
+
+async def _against_fake(num_requests: int) -> dict:
+    app, n = web.Application(), [0]
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        return await _misbehave(request, n)
+    app.router.add_post("/v1/completions", handler)
+    runner = web.AppRunner(app, handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        cfg = ServeBenchConfig(url=f"http://127.0.0.1:{port}", model="fake", progress=False,
+                               workload=WorkloadConfig(input_len=3, output_len=4),
+                               concurrency=3, num_requests=num_requests, timeout=TIMEOUT)
+        return await serve.benchmark(cfg)
+    finally:
+        await runner.cleanup()
+
+
+def test_failures_are_errors_by_kind_never_fast_requests():
+    result = asyncio.run(_against_fake(2 * len(BEHAVIOURS)))
+    m = result["metrics"]
+    assert result["errors"] == {"http_500": 2, "connection": 2, "incomplete_stream": 2,
+                                "error_event": 2, "invalid_response": 2, "empty_response": 2,
+                                "timeout": 2}
+    assert m["completed"] == 2 and m["failed"] == 14
+    assert m["e2e_ms"]["count"] == m["ttft_ms"]["count"] == m["tpot_ms"]["count"] == 2
+    assert m["itl_ms"]["count"] == 2 * 3
+    assert m["ttft_ms"]["max"] >= 50 and m["e2e_ms"]["mean"] >= 50   # only the slow successes
+    assert m["total_output_tokens"] == 8 and m["total_input_tokens"] == 6
+    for r in result["requests"]:
+        assert (r["error"] is None) == (r["e2e"] is not None)
+    assert not result["server"]["available"]        # no /metrics: said so, and carried on
+
+
+# -- metric math ------------------------------------------------------------------------------
+def test_server_deltas_and_bucket_quantiles():
+    def scrape(counts, total, n):
+        text = "".join(f'x_seconds_bucket{{le="{le}"}} {c}\n' for le, c in counts)
+        return parse_prometheus(text + f"x_seconds_sum {total}\nx_seconds_count {n}\n"
+                                        f"y_total {n}\n")
+    before = scrape([("0.1", 0), ("1.0", 0), ("+Inf", 0)], 0.0, 0)
+    after = scrape([("0.1", 50), ("1.0", 100), ("+Inf", 100)], 30.0, 100)
+    d = metrics.server_deltas(before, after)
+    h = d["histograms"]["x_seconds"]
+    assert h["count"] == 100 and h["mean_ms"] == pytest.approx(300)
+    assert h["p50_ms"] == pytest.approx(100) and h["p99_ms"] == pytest.approx(982)
+    assert d["counters"] == {"y_total": 100}
+    assert metrics.parse_slo("ttft=0.5, tpot=0.05") == {"ttft": 0.5, "tpot": 0.05}
+    with pytest.raises(ValueError, match="--slo"):
+        metrics.parse_slo("itl=1")
+
+
+# -- plots ------------------------------------------------------------------------------------
+def _fake_result(label: str, concurrency: int, scale: float) -> dict:
+    records = [metrics.RequestRecord(ttft=scale * (1 + i), e2e=scale * (10 + i), itl=[scale] * 3,
+                                     output_tokens=4, cls="short" if i % 3 else "long")
+               for i in range(12)]
+    return {"label": label, "load": {"concurrency": concurrency},
+            "metrics": metrics.summarize(records, 1.0, {}),
+            "requests": msgspec.to_builtins(records)}
+
+
+def test_plot_writes_png_files(tmp_path):
+    paths = []
+    for label, c, scale in (("agg-c1", 1, 0.01), ("agg-c4", 4, 0.02)):
+        paths.append(tmp_path / f"{label}.json")
+        paths[-1].write_text(json.dumps(_fake_result(label, c, scale)))
+    written = plot.plot_results([str(p) for p in paths], str(tmp_path / "img"))
+    assert sorted(p.rsplit("/", 1)[1] for p in written) == [
+        "cdf_e2e.png", "cdf_itl.png", "cdf_ttft.png", "vs_concurrency.png"]
+    for p in written:
+        with open(p, "rb") as f:
+            head = f.read(24)
+        assert head[:8] == b"\x89PNG\r\n\x1a\n"
+        width, height = struct.unpack(">II", head[16:24])
+        assert width > 100 and height > 100

@@ -1,0 +1,139 @@
+"""Workers dying under the orchestrator, and `splitserve up` cleaning up after itself."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from server_utils import Orchestrator, Worker, free_port, get, metrics, post
+
+MODEL = ("--model", "tiny-random", "--dtype", "float32")
+BODY = {"model": "tiny-random", "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0}
+
+
+def kill(worker) -> None:
+    worker.proc.send_signal(signal.SIGKILL)
+    worker.proc.wait()
+
+
+def wait_for(cond, timeout, what="condition"):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"{what} not met in {timeout} s"
+        time.sleep(0.2)
+
+
+def test_dead_generation_workers(tmp_path):
+    ctx = Worker(*MODEL, "--role", "ctx", "--kv-lease-seconds", "2")
+    gens = [Worker(*MODEL, "--role", "gen") for _ in range(2)]
+    orch = Orchestrator(tmp_path, [ctx.url], [g.url for g in gens], gen_router="round_robin")
+    try:
+        _, want = post(orch.url + "/v1/completions", BODY)
+        kill(gens[0])
+        for _ in range(3):   # retried on the live worker before any byte reached the client
+            status, got = post(orch.url + "/v1/completions", BODY)
+            assert status == 200 and got["choices"][0]["text"] == want["choices"][0]["text"]
+        # Mid-stream death: the client gets an error event and the end of the stream.
+        events = stream_then_kill(orch, gens[1])
+        assert any(isinstance(e, dict) and "error" in e for e in events)
+        status, err = post(orch.url + "/v1/completions", BODY)
+        assert status == 503 and err["error"]["message"]
+        # Nobody pulled the last context's KV: the lease runs out and frees the blocks.
+        wait_for(lambda: metrics(ctx.url)["splitserve_kv_blocks_leased"] == 0, 10, "lease expiry")
+        assert metrics(ctx.url)["splitserve_kv_blocks_used"] == 0
+    finally:
+        for p in (orch, *gens, ctx):
+            p.close()
+
+
+def stream_then_kill(orch, gen) -> list:
+    body = json.dumps({**BODY, "max_tokens": 4000, "ignore_eos": True, "stream": True}).encode()
+    sock = socket.create_connection(("127.0.0.1", orch.port), timeout=30)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    data = sock.recv(65536)
+    assert b"200" in data.split(b"\r\n", 1)[0]
+    kill(gen)
+    while chunk := sock.recv(65536):
+        data += chunk
+        if b"[DONE]" in data:
+            break
+    sock.close()
+    events = []
+    for line in data.split(b"\n"):
+        line = line.strip()
+        if line.startswith(b"data: {"):
+            events.append(json.loads(line[6:]))
+        elif line == b"data: [DONE]":
+            events.append("[DONE]")
+    assert events[-1] == "[DONE]"
+    return events
+
+
+def test_dead_context_worker_is_routed_around(tmp_path):
+    ctxs = [Worker(*MODEL, "--role", "ctx") for _ in range(2)]
+    gen = Worker(*MODEL, "--role", "gen")
+    orch = Orchestrator(tmp_path, [c.url for c in ctxs], [gen.url])
+    try:
+        kill(ctxs[0])
+        for _ in range(4):
+            assert post(orch.url + "/v1/completions", BODY)[0] == 200
+        wait_for(lambda: json.loads(get(orch.url + "/health")[1])["healthy"]["ctx"] == [ctxs[1].url],
+                 10, "health check marks the dead worker")
+    finally:
+        for p in (orch, gen, *ctxs):
+            p.close()
+
+
+def descendants(pid: int) -> set[int]:
+    out, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        for task in os.listdir(f"/proc/{p}/task") if os.path.exists(f"/proc/{p}/task") else ():
+            try:
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    kids = [int(k) for k in f.read().split()]
+            except OSError:
+                kids = []
+            out.update(kids)
+            todo.extend(kids)
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def test_up_then_ctrl_c_leaves_no_process():
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "splitserve.cli", "--log-level", "WARNING", "up",
+                             *MODEL, "--port", str(port), "--threads", "1"])
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: _healthy(url), 120, "cluster health")
+        assert post(url + "/v1/chat/completions", {
+            "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})[0] == 200
+        family = descendants(proc.pid)
+        assert len(family) >= 4        # two workers, each with an engine process
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0
+        wait_for(lambda: not any(alive(p) for p in family), 30, "every process gone")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return get(url + "/health")[0] == 200
+    except OSError:
+        return False

@@ -1,0 +1,144 @@
+"""Context-only and generation-only requests across two in-process engines, KV over TCP."""
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from splitserve.config import CacheConfig, EngineConfig, KVTransferConfig, SchedulerConfig
+from splitserve.engine.core import EngineCore
+from splitserve.engine.request import FinishReason
+from splitserve.errors import InvalidRequestError
+from splitserve.protocol.engine import KVHandle, RemotePrefill
+from splitserve.sampling_params import SamplingParams
+from splitserve.tokens import PromptTokens
+
+
+def engine(source, lease=30.0, timeout=5.0, dtype="float32", block_size=4):
+    cfg = EngineConfig(model="tiny-random", dtype=dtype, seed=0,
+                       cache=CacheConfig(block_size, 128), scheduler=SchedulerConfig(64, 8),
+                       kv=KVTransferConfig(lease_seconds=lease, timeout=timeout))
+    return EngineCore(cfg, source)
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_source):
+    ctx, gen = engine(tiny_source), engine(tiny_source)
+    yield ctx, gen
+    for e in (ctx, gen):
+        e.remote_kv.close()
+
+
+def drain(e, until=lambda deltas: False, timeout=20.0):
+    deltas, deadline = [], time.monotonic() + timeout
+    while e.has_unfinished_requests() or e.pending:
+        deltas += e.step()
+        if until(deltas):
+            break
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    return deltas
+
+
+def tokens(deltas):
+    return [t for d in deltas for t in d.token_ids]
+
+
+PROMPT = PromptTokens(np.random.default_rng(0).integers(3, 49152, 23).astype(np.int32))
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def handoff(ctx, rid, prompt=PROMPT, params=GREEDY):
+    ctx.add_request(rid, prompt, params, context_only=True)
+    (delta,) = drain(ctx)
+    assert delta.finish_reason == FinishReason.HANDOFF and delta.kv_handle is not None
+    return delta
+
+
+def test_disaggregated_greedy_equals_aggregated(pair):
+    ctx, gen = pair
+    ctx.add_request("agg", PROMPT, GREEDY)
+    want = tokens(drain(ctx))
+    first = handoff(ctx, "c1")
+    assert first.token_ids == want[:1]
+    assert ctx.remote_kv.num_leased_blocks == 6       # 23 tokens in blocks of 4
+    gen.add_request("g1", PROMPT, GREEDY,
+                    remote=RemotePrefill(first.kv_handle, first.token_ids, first.logprobs))
+    out = drain(gen)
+    assert tokens(out) == want and out[-1].finish_reason == FinishReason.LENGTH
+    assert out[0].kv_transfer_time > 0
+    ctx.step()   # applies GEN's ack
+    assert ctx.remote_kv.num_leased_blocks == 0
+    for e in pair:
+        assert e.block_manager.num_free_blocks == e.block_manager.num_blocks
+
+
+def test_pulled_kv_is_byte_identical(pair):
+    ctx, gen = pair
+    first = handoff(ctx, "c2")
+    ctx_blocks = list(ctx.remote_kv.leases.leases["c2"].block_ids)
+    ctx_kv = ctx.runner.kv_cache[ctx_blocks].clone()
+    gen.add_request("g2", PROMPT, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+                    remote=RemotePrefill(first.kv_handle, first.token_ids))
+    drain(gen, until=lambda d: len(d) >= 2)
+    req = gen.groups["g2"][0]
+    got = gen.runner.kv_cache[req.block_ids[:6]]
+    # The last block holds 3 prompt tokens; later slots belong to generated tokens.
+    assert torch.equal(got[:5], ctx_kv[:5])
+    assert torch.equal(got[5, :, :, :3], ctx_kv[5, :, :, :3])
+    gen.abort_request("g2")
+    drain(gen)
+    ctx.step()
+
+
+def test_unknown_ctx_request_and_layout_mismatch(pair):
+    ctx, gen = pair
+    forged = KVHandle(backend="tcp", endpoint=ctx.remote_kv.endpoint, ctx_request_id="nope",
+                      layout=gen.remote_kv.layout, num_tokens=len(PROMPT))
+    gen.add_request("g3", PROMPT, GREEDY, remote=RemotePrefill(forged, [5]))
+    (delta,) = drain(gen)
+    assert delta.finish_reason == FinishReason.ERROR and "unknown or expired" in delta.error
+    bad_layout = KVHandle(backend="tcp", endpoint=ctx.remote_kv.endpoint, ctx_request_id="x",
+                          layout="other-model|float32", num_tokens=len(PROMPT))
+    with pytest.raises(InvalidRequestError, match="layout mismatch"):
+        gen.add_request("g4", PROMPT, GREEDY, remote=RemotePrefill(bad_layout, [5]))
+    with pytest.raises(InvalidRequestError) as err:
+        gen.add_request("g5", PromptTokens(PROMPT.array[:10]), GREEDY,
+                        remote=RemotePrefill(forged, [5]))
+    assert err.value.param == "disaggregated_params.prompt_len"
+    assert gen.block_manager.num_free_blocks == gen.block_manager.num_blocks
+
+
+def test_unreachable_context_worker_times_out_cleanly(tiny_source):
+    gen = engine(tiny_source, timeout=0.5)
+    try:
+        dead = KVHandle(backend="tcp", endpoint="tcp://127.0.0.1:9", ctx_request_id="c",
+                        layout=gen.remote_kv.layout, num_tokens=len(PROMPT))
+        gen.add_request("g", PROMPT, GREEDY, remote=RemotePrefill(dead, [5]))
+        (delta,) = drain(gen)
+        assert delta.finish_reason == FinishReason.ERROR and "did not answer" in delta.error
+        assert gen.block_manager.num_free_blocks == gen.block_manager.num_blocks
+    finally:
+        gen.remote_kv.close()
+
+
+def test_lease_expires_when_no_generation_worker_comes(tiny_source):
+    ctx = engine(tiny_source, lease=0.2)
+    try:
+        handoff(ctx, "c")
+        assert ctx.remote_kv.num_leased_blocks > 0
+        time.sleep(0.3)
+        ctx.step()
+        assert ctx.remote_kv.num_leased_blocks == 0
+        assert ctx.block_manager.num_free_blocks == ctx.block_manager.num_blocks
+    finally:
+        ctx.remote_kv.close()
+
+
+def test_context_only_that_finishes_early_leases_nothing(pair):
+    ctx, _ = pair
+    ctx.add_request("c6", PROMPT, SamplingParams(temperature=0, max_tokens=1), context_only=True)
+    (delta,) = drain(ctx)
+    assert delta.finish_reason == FinishReason.LENGTH and delta.kv_handle is None
+    assert ctx.remote_kv.num_leased_blocks == 0
