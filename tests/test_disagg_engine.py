@@ -142,3 +142,63 @@ def test_context_only_that_finishes_early_leases_nothing(pair):
     (delta,) = drain(ctx)
     assert delta.finish_reason == FinishReason.LENGTH and delta.kv_handle is None
     assert ctx.remote_kv.num_leased_blocks == 0
+
+
+def test_length_only_prompt_decodes_identically(pair):
+    ctx, gen = pair
+    ctx.add_request("agg-p", PROMPT, GREEDY)
+    want = tokens(drain(ctx))
+    first = handoff(ctx, "c7")
+    gen.add_request("g7", PromptTokens.placeholder(len(PROMPT)), GREEDY,
+                    remote=RemotePrefill(first.kv_handle, first.token_ids))
+    assert tokens(drain(gen)) == want
+    ctx.step()
+
+
+def test_length_only_prompt_refuses_features_that_read_it(pair):
+    ctx, gen = pair
+    first = handoff(ctx, "c8")
+    remote = RemotePrefill(first.kv_handle, first.token_ids)
+    for params, param in [(SamplingParams(repetition_penalty=1.2), "repetition_penalty"),
+                          (SamplingParams(prompt_logprobs=1), "prompt_logprobs")]:
+        with pytest.raises(InvalidRequestError) as err:
+            gen.add_request("g8", PromptTokens.placeholder(len(PROMPT)), params, remote=remote)
+        assert err.value.param == param
+    gen.add_request("g8", PromptTokens.placeholder(len(PROMPT)), GREEDY, remote=remote)
+    drain(gen)
+    ctx.step()
+
+
+def test_length_only_requests_are_never_preempted(tiny_source):
+    """Blocks run out while length-only requests decode: the recomputable request is
+    preempted (and finishes later exactly), the length-only ones are not."""
+    ctx = engine(tiny_source)
+    cfg = EngineConfig(model="tiny-random", dtype="float32", seed=0,
+                       cache=CacheConfig(4, 20, enable_prefix_caching=False),
+                       scheduler=SchedulerConfig(64, 8))
+    gen = EngineCore(cfg, tiny_source)
+    try:
+        long = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+        ctx.add_request("ref", PROMPT, long)
+        want = tokens(drain(ctx))
+        firsts = [handoff(ctx, f"c{i}", params=long) for i in range(2)]
+        for i, f in enumerate(firsts):
+            gen.add_request(f"g{i}", PromptTokens.placeholder(len(PROMPT)), long,
+                            remote=RemotePrefill(f.kv_handle, f.token_ids))
+        gen.add_request("local", PROMPT, long)
+        preempted = []
+        orig = gen.scheduler._preempt
+        gen.scheduler._preempt = lambda r: (preempted.append(r.request_id), orig(r))
+        out = drain(gen)
+        by_id = {rid: [t for d in out if d.request_id == rid for t in d.token_ids]
+                 for rid in ("g0", "g1", "local")}
+        assert preempted and set(preempted) == {"local"}
+        finished = [d for d in out if d.finish_reason is not None]
+        assert all(d.finish_reason in (FinishReason.LENGTH, FinishReason.ERROR) for d in finished)
+        for rid, toks in by_id.items():
+            if len(toks) == 24:
+                assert toks == want
+        assert gen.block_manager.num_free_blocks == gen.block_manager.num_blocks
+    finally:
+        ctx.remote_kv.close()
+        gen.remote_kv.close()

@@ -215,21 +215,29 @@ def test_abort_frees_blocks(make_engine):
     ([5, 49152], SamplingParams(), "prompt"),
     ([5, -1], SamplingParams(), "prompt"),
     (list(range(3, 2000)), SamplingParams(), "prompt"),
+    (None, SamplingParams(), "prompt"),                       # length-only, no remote KV
     ([5, 6], SamplingParams(logit_bias={10**6: 1.0}), "logit_bias"),
 ])
 def test_bad_requests_are_rejected_with_the_parameter_named(make_engine, prompt, params, param):
     engine = make_engine(max_model_len=1024)
     with pytest.raises(InvalidRequestError) as err:
-        engine.add_request("x", PromptTokens.from_list(prompt), params)
+        tokens = PromptTokens.placeholder(6) if prompt is None else PromptTokens.from_list(prompt)
+        engine.add_request("x", tokens, params)
     assert err.value.param == param
     assert run(engine, prompts([4]), GREEDY)[0].outputs[0].finish_reason == "length"
 
 
 def test_failed_request_ends_with_error_and_engine_keeps_serving(make_engine):
     engine = make_engine()
-    # A length-only prompt has no values to prefill from: its step fails loudly.
-    engine.add_request("bad", PromptTokens.placeholder(8), GREEDY)
+    real = engine.runner.execute
+
+    def fail_once(scheduled):   # a fault inside the model step, once
+        engine.runner.execute = real
+        raise RuntimeError("injected fault")
+
+    engine.runner.execute = fail_once
+    engine.add_request("bad", PromptTokens(prompts([8])[0]), GREEDY)
     deltas = engine.step()
-    assert deltas[0].finish_reason == FinishReason.ERROR and "length-only" in deltas[0].error
+    assert deltas[0].finish_reason == FinishReason.ERROR and "injected fault" in deltas[0].error
     out = run(engine, prompts([5]), GREEDY)[0]
     assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 10

@@ -17,6 +17,7 @@ from splitserve.config import EngineConfig
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.detokenizer import IncrementalDetokenizer
 from splitserve.engine.disagg import RemoteKV
+from splitserve.engine.prompt_reads import prompt_value_readers
 from splitserve.engine.request import FinishReason, Request, RequestStatus
 from splitserve.engine.runner import ModelRunner, StepResult
 from splitserve.engine.sampler import Sampler, prompt_logprobs
@@ -70,6 +71,8 @@ class EngineCore:
             raise InvalidRequestError("n > 1 is not supported for disaggregated requests", "n")
         if remote is not None:
             self.remote_kv.check(remote, len(prompt), self.model_config.vocab_size)
+        if prompt.is_placeholder:
+            self._check_length_only(params, remote)
         eos = () if params.ignore_eos else self.model_config.eos_token_ids
         children = []
         for i in range(params.n):
@@ -104,6 +107,17 @@ class EngineCore:
                                           f"[0, {self.model_config.vocab_size})", "prompt")
         params.check_vocab(self.model_config.vocab_size)
 
+    @staticmethod
+    def _check_length_only(params: SamplingParams, remote) -> None:
+        if remote is None:
+            raise InvalidRequestError("a length-only prompt needs its KV from a context worker",
+                                      "prompt")
+        readers = prompt_value_readers(repetition_penalty=params.repetition_penalty,
+                                       prompt_logprobs=params.prompt_logprobs)
+        if readers:
+            raise InvalidRequestError(f"{', '.join(readers)} read prompt token values, which a "
+                                      f"length-only prompt does not have", readers[0])
+
     def abort_request(self, request_id: str) -> None:
         for req in self.groups.get(request_id, ()):
             if not req.is_finished:
@@ -124,6 +138,8 @@ class EngineCore:
         sched = self.scheduler.schedule()
         for req in sched.pulls:
             self.remote_kv.start_pull(req)
+        for req in sched.starved:
+            self._finish(req, FinishReason.ERROR, out, error="out of KV cache blocks")
         if not sched:
             return out
         try:

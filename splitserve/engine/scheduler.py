@@ -24,6 +24,7 @@ class SchedulerOutput:
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     pulls: list[Request] = field(default_factory=list)   # blocks allocated: start their KV pull
+    starved: list[Request] = field(default_factory=list)  # no block, nobody to preempt: fail them
 
     @property
     def num_tokens(self) -> int:
@@ -53,20 +54,36 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        i = 0
+        i, stuck = 0, []
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             while not self.bm.allocate(req, n):
-                victim = self.running.pop()
+                victim = self._victim(i)
+                if victim is None:     # only length-only requests after it: wait a step
+                    stuck.append(req)
+                    break
+                self.running.remove(victim)
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is req:
                     return budget
-            out.scheduled.append((req, n))
-            budget -= n
+            else:
+                out.scheduled.append((req, n))
+                budget -= n
             i += 1
+        if stuck and not out.scheduled:
+            out.starved = stuck[:1]    # nothing can move: end one so the rest can
         return budget
+
+    def _victim(self, i: int) -> Request | None:
+        """The most recently admitted running request at or after position i that can be
+        recomputed. A length-only prompt (KV pulled from a context worker, values never
+        relayed) cannot be: see prompt_reads.py."""
+        for victim in reversed(self.running[i:]):
+            if not victim.prompt.is_placeholder:
+                return victim
+        return None
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and self._num_admitted < self.config.max_num_seqs:

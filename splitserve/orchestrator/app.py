@@ -46,6 +46,8 @@ class OrchestratorMetrics:
         self.e2e = r.register(Histogram(p + "e2e_seconds", "Client arrival to the last byte"))
         self.retries = r.register(Counter(p + "retries_total", "Requests retried on another server",
                                           ("pool",)))
+        self.relay_modes = r.register(Counter(p + "token_relay_total",
+                                              "Requests relayed to GEN, by token relay mode", ("mode",)))
 
 
 class Orchestrator:
@@ -86,7 +88,8 @@ class Orchestrator:
             self.metrics.e2e.observe(time.time() - t0)
 
     async def _split(self, request, body: dict, key: bytes, t0: float) -> web.StreamResponse:
-        ctx_body = orjson.dumps(relay.context_body(body))
+        mode = relay.relay_mode(body, self.config.token_relay)
+        ctx_body = orjson.dumps(relay.context_body(body, mode))
         self.metrics.preprocessing.observe(time.time() - t0)
         t1 = time.time()
         status, answer = await self._post_json(self.ctx, request.path, ctx_body, key)
@@ -104,6 +107,7 @@ class Orchestrator:
                                     content_type="application/json")
             resp["route"] = "ctx_only"
             return resp
+        self.metrics.relay_modes.labels(mode).inc()
         return await self._to_gen(request, relay.generation_body(body, params), key, time.time())
 
     async def _post_json(self, pool: Pool, path: str, data: bytes, key: bytes) -> tuple[int, dict]:

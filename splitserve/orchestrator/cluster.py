@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import yaml
 
-RELAY_MODES = ("list",)
+RELAY_MODES = ("list", "b64", "metadata", "auto")
 
 
 @dataclass(frozen=True)
@@ -28,13 +28,14 @@ class ClusterConfig:
     generation_servers: PoolConfig
     host: str = "127.0.0.1"
     port: int = 8000
-    token_relay: str = "list"
+    token_relay: str = "auto"     # how prompt tokens travel CTX -> GEN (orchestrator/relay.py)
     request_timeout: float = 600.0
     health_check_interval: float = 2.0
 
     def __post_init__(self):
         if self.token_relay not in RELAY_MODES:
-            raise ValueError(f"token_relay must be one of {', '.join(RELAY_MODES)}")
+            raise ValueError(f"token_relay must be one of {', '.join(RELAY_MODES)}, "
+                             f"got {self.token_relay!r}")
 
     @classmethod
     def from_yaml(cls, path: str) -> ClusterConfig:

@@ -13,7 +13,9 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from splitserve.engine.prompt_reads import prompt_value_readers
 from splitserve.errors import InvalidRequestError
+from splitserve.orchestrator.cluster import RELAY_MODES
 from splitserve.protocol.openai import error_body, sse_error
 
 logger = logging.getLogger(__name__)
@@ -54,10 +56,27 @@ def parse_body(raw: bytes) -> dict:
     return body
 
 
-def context_body(body: dict) -> dict:
+def relay_mode(body: dict, default: str) -> str:
+    """list | b64 | metadata for this request. `token_relay` in the body overrides the
+    cluster's mode (for testing and measurement). auto: length only when nothing reads
+    prompt token values (engine/prompt_reads.py), else base64 int32. metadata is taken as
+    asked; a generation worker refuses a request it cannot serve from the length alone."""
+    mode = body.pop("token_relay", None) or default
+    if mode not in RELAY_MODES:
+        raise InvalidRequestError(f"token_relay must be one of {', '.join(RELAY_MODES)}",
+                                  "token_relay")
+    if mode != "auto":
+        return mode
+    readers = prompt_value_readers(repetition_penalty=body.get("repetition_penalty"),
+                                   prompt_logprobs=body.get("prompt_logprobs"),
+                                   echo=body.get("echo"))
+    return "b64" if readers else "metadata"
+
+
+def context_body(body: dict, mode: str) -> dict:
     out = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
     out["stream"] = False
-    out["disaggregated_params"] = {"request_type": "context_only"}
+    out["disaggregated_params"] = {"request_type": "context_only", "token_relay": mode}
     return out
 
 

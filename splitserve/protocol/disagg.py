@@ -12,6 +12,7 @@ from splitserve.errors import InvalidRequestError
 from splitserve.protocol.engine import KVHandle, Logprob
 
 RequestType = Literal["context_only", "generation_only"]
+TokenRelay = Literal["list", "b64", "metadata"]
 
 
 class DisaggregatedParams(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -21,7 +22,10 @@ class DisaggregatedParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     first_gen_logprobs: list[Logprob] | None = None
     prompt_len: int | None = None             # prompt tokens whose KV CTX holds
     kv_handle: KVHandle | None = None         # where and how GEN pulls the KV from CTX
-    prompt_token_ids: list[int] | None = None  # the prompt, relayed so GEN never re-tokenizes
+    # How the prompt travels CTX -> orchestrator -> GEN (context_only: what to answer with).
+    token_relay: TokenRelay | None = None
+    prompt_token_ids: list[int] | None = None  # list: the prompt as JSON ints
+    prompt_token_ids_b64: str | None = None    # b64: little-endian int32, base64
 
     def __post_init__(self):
         _check(self.ctx_request_id is None or self.ctx_request_id != "",
@@ -36,11 +40,14 @@ class DisaggregatedParams(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     def check_generation_only(self) -> None:
         """A generation_only request must say where its KV is and what came first."""
-        for name in ("kv_handle", "first_gen_tokens", "prompt_len", "prompt_token_ids"):
+        for name in ("kv_handle", "first_gen_tokens", "prompt_len"):
             _check(getattr(self, name) is not None, f"{name} is required for generation_only", name)
-        _check(self.prompt_len == len(self.prompt_token_ids),
-               f"prompt_len {self.prompt_len} disagrees with the {len(self.prompt_token_ids)} "
-               f"prompt tokens", "prompt_len")
+        _check(self.prompt_token_ids is None or self.prompt_token_ids_b64 is None,
+               "send prompt_token_ids or prompt_token_ids_b64, not both", "prompt_token_ids")
+        if self.prompt_token_ids is not None:
+            _check(self.prompt_len == len(self.prompt_token_ids),
+                   f"prompt_len {self.prompt_len} disagrees with the {len(self.prompt_token_ids)} "
+                   f"prompt tokens", "prompt_len")
         _check(self.prompt_len == self.kv_handle.num_tokens,
                f"prompt_len {self.prompt_len} disagrees with the KV handle's "
                f"{self.kv_handle.num_tokens} tokens", "prompt_len")

@@ -16,6 +16,7 @@ from typing import AsyncIterator
 import numpy as np
 from aiohttp import web
 
+from splitserve.engine.prompt_reads import prompt_value_readers
 from splitserve.errors import InvalidRequestError
 from splitserve.protocol.disagg import DisaggregatedParams
 from splitserve.protocol.engine import CompletionDelta, RemotePrefill
@@ -40,7 +41,8 @@ class GenerateHandlers:
         self.server.check_model(req.model)
         params = req.sampling_params()
         if _request_type(req) == "generation_only":
-            prompts, remote = _relayed_prompt(req)
+            prompts, remote, mode = _relayed_prompt(req, params)
+            self.server.metrics.token_relay.labels(mode).inc()
             texts = [""]
             if req.echo:
                 texts = await self.server.in_pool(lambda: [self.server.tokenizer.decode(
@@ -57,7 +59,8 @@ class GenerateHandlers:
         self.server.check_model(req.model)
         params = req.sampling_params()
         if _request_type(req) == "generation_only":
-            prompts, remote = _relayed_prompt(req)
+            prompts, remote, mode = _relayed_prompt(req, params)
+            self.server.metrics.token_relay.labels(mode).inc()
             return await self._respond(request, req, prompts, params, (), arrival, remote)
         tok = self.server.tokenizer
         kwargs = req.chat_template_kwargs or {}
@@ -88,7 +91,7 @@ class GenerateHandlers:
         for p in prompts:
             if len(p) == 0:
                 raise InvalidRequestError("the prompt is empty", "prompt")
-            lo, hi = int(p.array.min()), int(p.array.max())
+            lo, hi = (0, 0) if p.is_placeholder else (int(p.array.min()), int(p.array.max()))
             if lo < 0 or hi >= ready.vocab_size:
                 raise InvalidRequestError(f"prompt token id {lo if lo < 0 else hi} is outside the "
                                           f"vocabulary [0, {ready.vocab_size})", "prompt")
@@ -128,7 +131,8 @@ class GenerateHandlers:
                 request_type="context_only", ctx_request_id=handoff.kv_handle.ctx_request_id,
                 first_gen_tokens=handoff.token_ids, first_gen_logprobs=handoff.logprobs,
                 prompt_len=len(prompts[0]), kv_handle=handoff.kv_handle,
-                prompt_token_ids=prompts[0].tolist())}
+                token_relay=req.disaggregated_params.token_relay,
+                **_relay_fields(req.disaggregated_params.token_relay, prompts[0]))}
         return web.Response(body=acc.body(extra), content_type="application/json")
 
     async def _stream(self, request, req, deltas, kwargs) -> web.StreamResponse:
@@ -220,10 +224,35 @@ def _request_type(req) -> str | None:
     return None if dp is None else dp.request_type
 
 
-def _relayed_prompt(req) -> tuple[list[PromptTokens], RemotePrefill]:
-    """generation_only: the prompt arrives as token ids from the context worker's answer;
-    nothing is tokenized or rendered again here."""
+def _relayed_prompt(req, params: SamplingParams) -> tuple[list[PromptTokens], RemotePrefill, str]:
+    """generation_only: the prompt arrives from the context worker's answer as an int32
+    array (b64), a JSON list (list) or only its length (metadata); nothing is tokenized or
+    rendered again here, and b64 never becomes a Python list."""
     dp = req.disaggregated_params
     dp.check_generation_only()
-    prompt = PromptTokens.from_list(dp.prompt_token_ids)
-    return [prompt], RemotePrefill(dp.kv_handle, dp.first_gen_tokens, dp.first_gen_logprobs)
+    if dp.prompt_token_ids_b64 is not None:
+        prompt, mode = PromptTokens.from_b64(dp.prompt_token_ids_b64), "b64"
+    elif dp.prompt_token_ids is not None:
+        prompt, mode = PromptTokens.from_list(dp.prompt_token_ids), "list"
+    else:
+        readers = prompt_value_readers(repetition_penalty=params.repetition_penalty,
+                                       prompt_logprobs=params.prompt_logprobs,
+                                       echo=getattr(req, "echo", False))
+        if readers:
+            raise InvalidRequestError(
+                f"{', '.join(readers)} read prompt token values, but only prompt_len was "
+                f"relayed; relay the tokens (token_relay list or b64)", readers[0])
+        prompt, mode = PromptTokens.placeholder(dp.prompt_len), "metadata"
+    if len(prompt) != dp.prompt_len:
+        raise InvalidRequestError(f"prompt_len {dp.prompt_len} disagrees with the {len(prompt)} "
+                                  f"relayed prompt tokens", "disaggregated_params.prompt_len")
+    return [prompt], RemotePrefill(dp.kv_handle, dp.first_gen_tokens, dp.first_gen_logprobs), mode
+
+
+def _relay_fields(relay: str | None, prompt: PromptTokens) -> dict:
+    """context_only: the prompt in the form the orchestrator asked for."""
+    if relay == "b64":
+        return {"prompt_token_ids_b64": prompt.b64()}     # from the array, never a list
+    if relay == "metadata":
+        return {}
+    return {"prompt_token_ids": prompt.tolist()}

@@ -233,6 +233,8 @@ class ServerMetrics:
                                      "generation_only: sent or arrival to engine admission")
         self.kv_transfer = add(Histogram, "kv_transfer_seconds",
                                "generation_only: time to pull the prompt's KV from the context worker")
+        self.token_relay = add(Counter, "token_relay_total",
+                               "generation_only requests by how their prompt was relayed", "mode")
         self.prompt_tokens = add(Counter, "prompt_tokens_total", "Prompt tokens processed")
         self.generation_tokens = add(Counter, "generation_tokens_total", "Generated tokens")
         self.running = add(Gauge, "num_requests_running", "Requests in the engine's running batch")
