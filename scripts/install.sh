@@ -20,3 +20,10 @@ case "${1:-}" in
   *) echo "usage: $0 [test|all]" >&2; exit 2 ;;
 esac
 pip_install -e ".${extras}"
+# The optional nixl KV backend (tests skip without it). After torch, which its wheels need;
+# ~130 MB download (nixl-cu12 and nixl-cu13 wheels, both work without a GPU), ~460 MB
+# installed. A machine it fails on still gets everything else.
+if [ -n "${extras}" ]; then
+  pip_install nixl==1.5.1 || echo "warning: could not install nixl; the nixl KV backend" \
+    "and its tests are unavailable (retry: $PY -m pip install nixl==1.5.1)" >&2
+fi

@@ -1,0 +1,316 @@
+"""The NIXL KV transport: GEN reads the CTX's leased blocks straight out of its KV cache.
+
+Each transport owns one NIXL agent (UCX backend) that registers the whole KV cache once.
+CTX: a ZeroMQ ROUTER socket answers a lookup with the lease's block ids, the cache's base
+address and the agent's metadata; it never touches the agent after start, so NIXL's own
+progress thread serves the READs. GEN: one thread runs pulls one after another; it alone
+calls the agent (NIXL agents are not thread-safe in their default sync mode). It looks the
+lease up, loads the CTX agent's metadata once per agent, posts one READ from remote blocks
+into local ones, polls it to completion and then acks over ZeroMQ, which releases the lease.
+
+UCX picks its transports from the environment when the agent is created. If the user has not
+set them, this module sets UCX_TLS=tcp and, for a loopback host, UCX_NET_DEVICES=lo: that
+works on any machine. On a cluster set UCX_TLS (e.g. rc,cuda_copy) and UCX_NET_DEVICES
+(e.g. mlx5_0:1) to use RDMA.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+import uuid
+from typing import Callable
+
+import msgspec
+import numpy as np
+import torch
+import zmq
+
+from splitserve.kv.base import KVTransport, LeaseView, PullResult, register
+from splitserve.protocol.engine import KVHandle
+
+logger = logging.getLogger(__name__)
+
+INSTALL_HINT = ("the nixl KV backend needs the nixl package: install torch first, then "
+                "`pip install nixl==1.5.1`; or use the built-in tcp backend")
+
+
+class LookupRequest(msgspec.Struct, tag="nixl-lookup"):
+    ctx_request_id: str
+    layout: str
+    num_blocks: int
+
+
+class LookupAck(msgspec.Struct, tag="nixl-ack"):
+    ctx_request_id: str
+
+
+class LookupReply(msgspec.Struct):
+    error: str | None = None
+    agent_name: str = ""
+    agent_metadata: bytes = b""
+    base_addr: int = 0            # the CTX's KV cache: block b starts at base + b * block_bytes
+    block_bytes: int = 0
+    block_ids: list[int] = []
+
+
+def _import_nixl():
+    try:
+        import nixl
+    except (ImportError, OSError) as exc:   # OSError: a wheel whose shared libraries fail to load
+        raise ImportError(f"{INSTALL_HINT} ({exc})") from exc
+    return nixl
+
+
+def _default_ucx_env(host: str) -> None:
+    """UCX reads these when the agent's backend is created; the user's values win."""
+    os.environ.setdefault("UCX_TLS", "tcp")
+    try:
+        loopback = ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        loopback = False
+    if loopback:
+        os.environ.setdefault("UCX_NET_DEVICES", "lo")
+
+
+def _make_agent(nixl, name: str):
+    ucx = (f"UCX_TLS={os.environ.get('UCX_TLS')} "
+           f"UCX_NET_DEVICES={os.environ.get('UCX_NET_DEVICES', '')}")
+    try:
+        agent = nixl.nixl_agent(name, nixl.nixl_agent_config(backends=["UCX"]))
+    except Exception as exc:   # nixl says only NIXL_ERR_BACKEND: name what the user can change
+        raise RuntimeError(f"could not start NIXL's UCX backend ({exc}) with {ucx}: "
+                           f"check that they name transports and devices this machine has") from exc
+    if "UCX" not in agent.backends:
+        raise RuntimeError("nixl was installed without its UCX plugin: reinstall nixl")
+    return agent
+
+
+def block_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
+    """(src_start, dst_start, count) runs where both sides are consecutive block ids: one
+    transfer descriptor per run instead of one per block."""
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src, dst):
+        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((s, d, 1))
+    return runs
+
+
+def _descs(base: int, block_bytes: int, starts, counts) -> np.ndarray:
+    """(N, 3) uint64 rows of (address, length, device id 0): NIXL's DRAM descriptor list."""
+    out = np.zeros((len(starts), 3), dtype=np.uint64)
+    out[:, 0] = base + np.asarray(starts, dtype=np.uint64) * np.uint64(block_bytes)
+    out[:, 1] = np.asarray(counts, dtype=np.uint64) * np.uint64(block_bytes)
+    return out
+
+
+@register("nixl")
+class NixlTransport(KVTransport):
+    def __init__(self, kv_cache: torch.Tensor, layout: str, host: str = "127.0.0.1",
+                 port: int = 0, timeout: float = 30.0):
+        super().__init__(kv_cache, layout)
+        nixl = _import_nixl()
+        assert kv_cache.is_contiguous() and kv_cache.device.type == "cpu"
+        self.host, self.port, self.timeout = host, port, timeout
+        self.block_nbytes = kv_cache[0].numel() * kv_cache.element_size()
+        _default_ucx_env(host)
+        self.agent_name = f"splitserve-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.agent = _make_agent(nixl, self.agent_name)
+        self.reg = self.agent.register_memory(kv_cache)          # one region: the whole cache
+        self.metadata = self.agent.get_agent_metadata()          # after registering: includes it
+        self.ctx = zmq.Context()
+        self.jobs: queue.Queue = queue.Queue()
+        self.endpoint = ""
+        self._remote: dict[str, str] = {}                        # endpoint -> loaded agent name
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    # -- CTX side -------------------------------------------------------------------------
+    def start(self, leases: LeaseView) -> str:
+        sock = self.ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        if self.port:
+            sock.bind(f"tcp://{self.host}:{self.port}")
+            port = self.port
+        else:
+            port = sock.bind_to_random_port(f"tcp://{self.host}")
+        self.endpoint = f"tcp://{self.host}:{port}"
+        self._threads = [
+            threading.Thread(target=self._serve, args=(sock, leases), daemon=True,
+                             name="kv-nixl-serve"),
+            threading.Thread(target=self._pull_loop, daemon=True, name="kv-nixl-pull")]
+        for t in self._threads:
+            t.start()
+        logger.info("kv-nixl: agent %s (UCX_TLS=%s UCX_NET_DEVICES=%s)", self.agent_name,
+                    os.environ.get("UCX_TLS"), os.environ.get("UCX_NET_DEVICES", "all"))
+        return self.endpoint
+
+    def _serve(self, sock: zmq.Socket, leases: LeaseView) -> None:
+        decoder = msgspec.msgpack.Decoder(LookupRequest | LookupAck)
+        try:
+            while not self._stop.is_set():
+                if not sock.poll(200):
+                    continue
+                ident, payload = sock.recv_multipart()
+                try:
+                    msg = decoder.decode(payload)
+                except msgspec.DecodeError:
+                    logger.warning("kv-nixl: dropped an undecodable message")
+                    continue
+                if isinstance(msg, LookupAck):
+                    leases.release(msg.ctx_request_id)
+                    continue
+                sock.send_multipart([ident, msgspec.msgpack.encode(self._answer(msg, leases))])
+        finally:
+            sock.close(linger=0)
+
+    def _answer(self, msg: LookupRequest, leases: LeaseView) -> LookupReply:
+        # Same texts as the tcp backend: a user sees the same error whichever backend runs.
+        if msg.layout != self.layout:
+            return LookupReply(error=f"KV layout mismatch: this context worker has [{self.layout}], "
+                                     f"the generation worker has [{msg.layout}]")
+        lease = leases.lookup(msg.ctx_request_id)
+        if lease is None:
+            return LookupReply(error=f"unknown or expired ctx_request_id {msg.ctx_request_id!r}")
+        blocks, num_tokens = lease
+        if len(blocks) != msg.num_blocks:
+            return LookupReply(error=f"the generation worker expects {msg.num_blocks} KV blocks but "
+                                     f"{msg.ctx_request_id!r} holds {len(blocks)} ({num_tokens} "
+                                     f"tokens): prompt_len disagrees with the KV")
+        return LookupReply(agent_name=self.agent_name, agent_metadata=self.metadata,
+                           base_addr=self.kv_cache.data_ptr(), block_bytes=self.block_nbytes,
+                           block_ids=list(blocks))
+
+    def agent_metadata(self) -> bytes:
+        # The lookup carries the metadata, so KVHandles (relayed per request by the
+        # orchestrator) stay small.
+        return b""
+
+    # -- GEN side -------------------------------------------------------------------------
+    def pull(self, handle: KVHandle, dst_blocks: list[int], done: Callable[[PullResult], None]) -> None:
+        self.jobs.put((handle, dst_blocks, done))
+
+    def _pull_loop(self) -> None:
+        socks: dict[str, zmq.Socket] = {}
+        while not self._stop.is_set():
+            try:
+                handle, dst, done = self.jobs.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            t0 = time.perf_counter()
+            try:
+                nbytes = self._pull_one(socks, handle, dst, t0 + self.timeout)
+                result = PullResult(True, nbytes=nbytes, seconds=time.perf_counter() - t0)
+            except Exception as exc:   # any failure ends this request, never the thread
+                result = PullResult(False, error=str(exc), seconds=time.perf_counter() - t0)
+            done(result)
+        for sock in socks.values():
+            sock.close(linger=0)
+
+    def _pull_one(self, socks: dict, handle: KVHandle, dst: list[int], deadline: float) -> int:
+        sock = socks.get(handle.endpoint)
+        if sock is None:
+            sock = socks[handle.endpoint] = self.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(handle.endpoint)
+        sock.send(msgspec.msgpack.encode(LookupRequest(handle.ctx_request_id, self.layout, len(dst))))
+        if not sock.poll(max(0, int((deadline - time.perf_counter()) * 1000))):
+            sock.close()   # a late reply must not be read as the answer to the next pull
+            del socks[handle.endpoint]
+            raise TimeoutError(f"context worker KV server {handle.endpoint} did not answer "
+                               f"within {self.timeout:.0f} s")
+        reply = msgspec.msgpack.decode(sock.recv(), type=LookupReply)
+        if reply.error is not None:
+            raise RuntimeError(reply.error)
+        if reply.block_bytes != self.block_nbytes or len(reply.block_ids) != len(dst):
+            raise RuntimeError(f"context worker offers {len(reply.block_ids)} blocks of "
+                               f"{reply.block_bytes} bytes, expected {len(dst)} of {self.block_nbytes}")
+        if dst:
+            self._read(self._remote_agent(handle.endpoint, reply), reply, dst, deadline)
+        sock.send(msgspec.msgpack.encode(LookupAck(handle.ctx_request_id)))
+        return len(dst) * self.block_nbytes
+
+    def _remote_agent(self, endpoint: str, reply: LookupReply) -> str:
+        """Loads the CTX agent's metadata once; a restarted CTX comes back with a new name."""
+        known = self._remote.get(endpoint)
+        if known != reply.agent_name:
+            if known is not None:
+                self._forget(endpoint)
+            self.agent.add_remote_agent(reply.agent_metadata)
+            self._remote[endpoint] = reply.agent_name
+        return reply.agent_name
+
+    def _forget(self, endpoint: str) -> None:
+        name = self._remote.pop(endpoint, None)
+        if name is not None:
+            try:
+                self.agent.remove_remote_agent(name)   # also disconnects from it
+            except Exception as exc:
+                logger.warning("kv-nixl: could not drop remote agent %s: %s", name, exc)
+
+    def _read(self, remote: str, reply: LookupReply, dst: list[int], deadline: float) -> None:
+        """One READ of every run of blocks; returns once the bytes are in the local cache."""
+        srcs, dsts, counts = zip(*block_runs(reply.block_ids, dst))
+        local = self.agent.get_xfer_descs(
+            _descs(self.kv_cache.data_ptr(), self.block_nbytes, dsts, counts), "DRAM")
+        far = self.agent.get_xfer_descs(_descs(reply.base_addr, self.block_nbytes, srcs, counts), "DRAM")
+        what = f"NIXL read of {len(dst)} KV blocks from agent {remote}"
+        try:
+            xfer = self.agent.initialize_xfer("READ", local, far, remote)
+        except Exception as exc:
+            raise RuntimeError(f"{what} could not be set up: {exc}") from exc
+        try:
+            state, error = self._wait(xfer, deadline), ""
+        except Exception as exc:   # some failures raise, e.g. NIXL_ERR_REMOTE_DISCONNECT
+            state, error = "ERR", f": {exc}"
+        if state == "DONE":
+            xfer.release()
+            return
+        self._abandon(xfer, remote)
+        if state == "PROC":
+            raise TimeoutError(f"{what} did not finish within {self.timeout:.0f} s")
+        raise RuntimeError(f"{what} failed{error} (UCX_TLS={os.environ.get('UCX_TLS')})")
+
+    def _wait(self, xfer, deadline: float) -> str:
+        """Posts the READ and polls it: DONE, ERR, or PROC if the deadline passed first."""
+        state, pause = self.agent.transfer(xfer), 5e-5
+        while state == "PROC" and time.perf_counter() < deadline:
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)   # short reads finish fast; long ones need no spin
+            state = self.agent.check_xfer_state(xfer)
+        return state
+
+    def _abandon(self, xfer, remote: str) -> None:
+        """Ends a failed or late READ so it cannot land in blocks the engine frees and reuses,
+        and drops the connection so the next pull to that agent starts afresh."""
+        try:
+            xfer.release()   # cancels it if still in flight; raises if it cannot
+            released = True
+        except Exception as exc:
+            released = False
+            logger.error("kv-nixl: could not cancel a READ from %s (%s); disconnecting", remote, exc)
+        for endpoint in [e for e, name in self._remote.items() if name == remote]:
+            self._forget(endpoint)   # disconnecting aborts what is still in flight
+        if not released:
+            try:
+                xfer.release()
+            except Exception as exc:
+                logger.error("kv-nixl: a READ from %s is still not released: %s", remote, exc)
+
+    def close(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=5)
+        while not self.jobs.empty():   # every pull gets its done() call, even at shutdown
+            self.jobs.get()[2](PullResult(False, error="the KV transport was closed"))
+        for endpoint in list(self._remote):
+            self._forget(endpoint)
+        self.agent.deregister_memory(self.reg)
+        self.ctx.destroy(linger=0)
