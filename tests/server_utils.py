@@ -117,3 +117,36 @@ class Orchestrator:
         wait_healthy(self, timeout)
 
     close = Worker.close
+
+
+def descendants(pid: int) -> set[int]:
+    out, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        for task in os.listdir(f"/proc/{p}/task") if os.path.exists(f"/proc/{p}/task") else ():
+            try:
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    kids = [int(k) for k in f.read().split()]
+            except OSError:
+                kids = []
+            out.update(kids)
+            todo.extend(kids)
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def engine_pid(worker) -> int:
+    """The worker's engine-core process (multiprocessing spawn child, not its resource tracker)."""
+    for pid in descendants(worker.proc.pid):
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = f.read()
+        if b"spawn_main" in cmd and b"resource_tracker" not in cmd:
+            return pid
+    raise LookupError("no engine process found")

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from server_utils import Orchestrator, Worker, free_port, get, metrics, post
+from server_utils import Orchestrator, Worker, alive, descendants, free_port, get, metrics, post
 
 MODEL = ("--model", "tiny-random", "--dtype", "float32")
 BODY = {"model": "tiny-random", "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0}
@@ -88,29 +88,6 @@ def test_dead_context_worker_is_routed_around(tmp_path):
     finally:
         for p in (orch, gen, *ctxs):
             p.close()
-
-
-def descendants(pid: int) -> set[int]:
-    out, todo = set(), [pid]
-    while todo:
-        p = todo.pop()
-        for task in os.listdir(f"/proc/{p}/task") if os.path.exists(f"/proc/{p}/task") else ():
-            try:
-                with open(f"/proc/{p}/task/{task}/children") as f:
-                    kids = [int(k) for k in f.read().split()]
-            except OSError:
-                kids = []
-            out.update(kids)
-            todo.extend(kids)
-    return out
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except OSError:
-        return False
 
 
 def test_up_then_ctrl_c_leaves_no_process():

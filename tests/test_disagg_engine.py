@@ -14,12 +14,7 @@ from splitserve.protocol.engine import KVHandle, RemotePrefill
 from splitserve.sampling_params import SamplingParams
 from splitserve.tokens import PromptTokens
 
-
-def engine(source, lease=30.0, timeout=5.0, dtype="float32", block_size=4):
-    cfg = EngineConfig(model="tiny-random", dtype=dtype, seed=0,
-                       cache=CacheConfig(block_size, 128), scheduler=SchedulerConfig(64, 8),
-                       kv=KVTransferConfig(lease_seconds=lease, timeout=timeout))
-    return EngineCore(cfg, source)
+from disagg_utils import GREEDY, PROMPT, drain, engine, handoff, tokens
 
 
 @pytest.fixture(scope="module")
@@ -28,32 +23,6 @@ def pair(tiny_source):
     yield ctx, gen
     for e in (ctx, gen):
         e.remote_kv.close()
-
-
-def drain(e, until=lambda deltas: False, timeout=20.0):
-    deltas, deadline = [], time.monotonic() + timeout
-    while e.has_unfinished_requests() or e.pending:
-        deltas += e.step()
-        if until(deltas):
-            break
-        assert time.monotonic() < deadline
-        time.sleep(0.001)
-    return deltas
-
-
-def tokens(deltas):
-    return [t for d in deltas for t in d.token_ids]
-
-
-PROMPT = PromptTokens(np.random.default_rng(0).integers(3, 49152, 23).astype(np.int32))
-GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-
-
-def handoff(ctx, rid, prompt=PROMPT, params=GREEDY):
-    ctx.add_request(rid, prompt, params, context_only=True)
-    (delta,) = drain(ctx)
-    assert delta.finish_reason == FinishReason.HANDOFF and delta.kv_handle is not None
-    return delta
 
 
 def test_disaggregated_greedy_equals_aggregated(pair):

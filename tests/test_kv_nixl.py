@@ -18,20 +18,17 @@ from splitserve.protocol.engine import KVHandle, RemotePrefill
 from splitserve.sampling_params import SamplingParams
 from splitserve.tokens import PromptTokens
 
+from disagg_utils import GREEDY, PROMPT, drain, handoff, tokens
+from disagg_utils import engine as _engine
+
 # exc_type: a half-installed nixl (its __init__ raises ImportError) skips too.
 nixl = pytest.importorskip("nixl", exc_type=ImportError,
                            reason="nixl is not importable: install torch first, then "
                                   "`pip install nixl==1.5.1` (scripts/install.sh test)")
 
-PROMPT = PromptTokens(np.random.default_rng(0).integers(3, 49152, 23).astype(np.int32))
-GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-
 
 def engine(source, timeout=5.0):
-    cfg = EngineConfig(model="tiny-random", dtype="float32", seed=0,
-                       cache=CacheConfig(4, 128), scheduler=SchedulerConfig(64, 8),
-                       kv=KVTransferConfig(backend="nixl", lease_seconds=30.0, timeout=timeout))
-    return EngineCore(cfg, source)
+    return _engine(source, backend="nixl", timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -40,28 +37,6 @@ def pair(tiny_source):
     yield ctx, gen
     for e in (ctx, gen):
         e.remote_kv.close()
-
-
-def drain(e, until=lambda deltas: False, timeout=20.0):
-    deltas, deadline = [], time.monotonic() + timeout
-    while e.has_unfinished_requests() or e.pending:
-        deltas += e.step()
-        if until(deltas):
-            break
-        assert time.monotonic() < deadline
-        time.sleep(0.001)
-    return deltas
-
-
-def tokens(deltas):
-    return [t for d in deltas for t in d.token_ids]
-
-
-def handoff(ctx, rid):
-    ctx.add_request(rid, PROMPT, GREEDY, context_only=True)
-    (delta,) = drain(ctx)
-    assert delta.finish_reason == FinishReason.HANDOFF and delta.kv_handle is not None
-    return delta
 
 
 def test_disaggregated_greedy_equals_aggregated_and_frees_the_lease(pair):

@@ -49,6 +49,23 @@ class LeaseView(abc.ABC):
         """GEN has the bytes: the engine may free the blocks (it does so on its own thread)."""
 
 
+def check_pull(leases: LeaseView, layout: str, ctx_request_id: str, wanted_layout: str,
+               num_blocks: int) -> tuple[str | None, list[int]]:
+    """(error, block ids) for a GEN's request to pull a lease: the same checks and words
+    whichever backend serves it."""
+    if wanted_layout != layout:
+        return (f"KV layout mismatch: this context worker has [{layout}], the generation "
+                f"worker has [{wanted_layout}]"), []
+    lease = leases.lookup(ctx_request_id)
+    if lease is None:
+        return f"unknown or expired ctx_request_id {ctx_request_id!r}", []
+    blocks, num_tokens = lease
+    if len(blocks) != num_blocks:
+        return (f"the generation worker expects {num_blocks} KV blocks but {ctx_request_id!r} "
+                f"holds {len(blocks)} ({num_tokens} tokens): prompt_len disagrees with the KV"), []
+    return None, blocks
+
+
 class KVTransport(abc.ABC):
     """One per engine-core process. `start` binds the serving side; `pull` copies remote
     blocks into local ones and calls `done` from a transport thread when finished."""

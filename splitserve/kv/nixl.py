@@ -31,7 +31,7 @@ import numpy as np
 import torch
 import zmq
 
-from splitserve.kv.base import KVTransport, LeaseView, PullResult, register
+from splitserve.kv.base import KVTransport, LeaseView, PullResult, check_pull, register
 from splitserve.protocol.engine import KVHandle
 
 logger = logging.getLogger(__name__)
@@ -172,18 +172,10 @@ class NixlTransport(KVTransport):
             sock.close(linger=0)
 
     def _answer(self, msg: LookupRequest, leases: LeaseView) -> LookupReply:
-        # Same texts as the tcp backend: a user sees the same error whichever backend runs.
-        if msg.layout != self.layout:
-            return LookupReply(error=f"KV layout mismatch: this context worker has [{self.layout}], "
-                                     f"the generation worker has [{msg.layout}]")
-        lease = leases.lookup(msg.ctx_request_id)
-        if lease is None:
-            return LookupReply(error=f"unknown or expired ctx_request_id {msg.ctx_request_id!r}")
-        blocks, num_tokens = lease
-        if len(blocks) != msg.num_blocks:
-            return LookupReply(error=f"the generation worker expects {msg.num_blocks} KV blocks but "
-                                     f"{msg.ctx_request_id!r} holds {len(blocks)} ({num_tokens} "
-                                     f"tokens): prompt_len disagrees with the KV")
+        error, blocks = check_pull(leases, self.layout, msg.ctx_request_id, msg.layout,
+                                   msg.num_blocks)
+        if error is not None:
+            return LookupReply(error=error)
         return LookupReply(agent_name=self.agent_name, agent_metadata=self.metadata,
                            base_addr=self.kv_cache.data_ptr(), block_bytes=self.block_nbytes,
                            block_ids=list(blocks))

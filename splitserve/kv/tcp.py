@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import zmq
 
-from splitserve.kv.base import KVTransport, LeaseView, PullResult, register
+from splitserve.kv.base import KVTransport, LeaseView, PullResult, check_pull, register
 from splitserve.protocol.engine import KVHandle
 
 logger = logging.getLogger(__name__)
@@ -80,26 +80,13 @@ class TcpTransport(KVTransport):
             if isinstance(msg, PullAck):
                 leases.release(msg.ctx_request_id)
                 continue
-            error, blocks = self._check(msg, leases)
+            error, blocks = check_pull(leases, self.layout, msg.ctx_request_id, msg.layout,
+                                       msg.num_blocks)
             if error is not None:
                 sock.send_multipart([ident, encode(PullReply(error=error))])
                 continue
             frames = [memoryview(self.block_bytes(b).numpy()) for b in blocks]
             sock.send_multipart([ident, encode(PullReply(num_blocks=len(blocks))), *frames], copy=False)
-
-    def _check(self, msg: PullRequest, leases: LeaseView) -> tuple[str | None, list[int]]:
-        if msg.layout != self.layout:
-            return (f"KV layout mismatch: this context worker has [{self.layout}], the "
-                    f"generation worker has [{msg.layout}]"), []
-        lease = leases.lookup(msg.ctx_request_id)
-        if lease is None:
-            return f"unknown or expired ctx_request_id {msg.ctx_request_id!r}", []
-        blocks, num_tokens = lease
-        if len(blocks) != msg.num_blocks:
-            return (f"the generation worker expects {msg.num_blocks} KV blocks but "
-                    f"{msg.ctx_request_id!r} holds {len(blocks)} ({num_tokens} tokens): "
-                    f"prompt_len disagrees with the KV"), []
-        return None, blocks
 
     # -- GEN side -------------------------------------------------------------------------
     def pull(self, handle: KVHandle, dst_blocks: list[int], done: Callable[[PullResult], None]) -> None:

@@ -1,0 +1,43 @@
+"""Shared pieces of the in-process disaggregation tests: two engines, KV over a backend."""
+
+import time
+
+import numpy as np
+
+from splitserve.config import CacheConfig, EngineConfig, KVTransferConfig, SchedulerConfig
+from splitserve.engine.core import EngineCore
+from splitserve.engine.request import FinishReason
+from splitserve.sampling_params import SamplingParams
+from splitserve.tokens import PromptTokens
+
+PROMPT = PromptTokens(np.random.default_rng(0).integers(3, 49152, 23).astype(np.int32))
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def engine(source, backend="tcp", lease=30.0, timeout=5.0, dtype="float32", block_size=4):
+    cfg = EngineConfig(model="tiny-random", dtype=dtype, seed=0,
+                       cache=CacheConfig(block_size, 128), scheduler=SchedulerConfig(64, 8),
+                       kv=KVTransferConfig(backend=backend, lease_seconds=lease, timeout=timeout))
+    return EngineCore(cfg, source)
+
+
+def drain(e, until=lambda deltas: False, timeout=20.0):
+    deltas, deadline = [], time.monotonic() + timeout
+    while e.has_unfinished_requests() or e.pending:
+        deltas += e.step()
+        if until(deltas):
+            break
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    return deltas
+
+
+def tokens(deltas):
+    return [t for d in deltas for t in d.token_ids]
+
+
+def handoff(ctx, rid, prompt=PROMPT, params=GREEDY):
+    ctx.add_request(rid, prompt, params, context_only=True)
+    (delta,) = drain(ctx)
+    assert delta.finish_reason == FinishReason.HANDOFF and delta.kv_handle is not None
+    return delta
