@@ -132,3 +132,21 @@ def wait_for(cond, timeout):
     while not cond():
         assert time.monotonic() < deadline, "condition not met in time"
         time.sleep(0.2)
+
+
+def test_nixl_backend_end_to_end(tmp_path):
+    pytest.importorskip("nixl", exc_type=ImportError,
+                        reason="nixl not importable: install torch first, then `pip install nixl`")
+    ctx = Worker(*MODEL, "--role", "ctx", "--kv-backend", "nixl")
+    gen = Worker(*MODEL, "--role", "gen", "--kv-backend", "nixl")
+    orch = Orchestrator(tmp_path, [ctx.url], [gen.url])
+    try:
+        for path, body in (("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)):
+            _, want = post(gen.url + path, body)
+            status, got = post(orch.url + path, body)
+            assert status == 200 and got["choices"][0] == want["choices"][0]
+        assert metrics(gen.url)["splitserve_kv_transfer_seconds_count"] == 2
+        wait_for(lambda: leased(ctx) == 0, 5)
+    finally:
+        for p in (orch, gen, ctx):
+            p.close()
