@@ -15,6 +15,9 @@ def _bench(args) -> int:
     elif args.bench_cmd == "serve":
         from splitserve.bench import serve
         serve.run(args)
+    elif args.bench_cmd == "frontend":
+        from splitserve.bench import frontend
+        return frontend.run(args)
     elif args.bench_cmd == "plot":
         from splitserve.bench import plot
         for path in plot.run(args):
@@ -42,7 +45,8 @@ def _engine_config(args):
                           enable_prefix_caching=not args.no_prefix_caching),
         scheduler=SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs),
         kv=KVTransferConfig(args.kv_backend, args.kv_host, args.kv_port, args.kv_lease_seconds,
-                            args.kv_timeout))
+                            args.kv_timeout,
+                            bench_skip_pull=getattr(args, "bench_skip_kv_pull", False)))
 
 
 def _add_engine_arguments(p) -> None:
@@ -110,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--role", default="agg", choices=["agg", "ctx", "gen"])
     serve.add_argument("--served-model-name", default=None)
     serve.add_argument("--max-body-bytes", type=int, default=64 << 20)
+    serve.add_argument("--bench-skip-kv-pull", action="store_true",
+                       help="benchmark only: generation_only requests skip the KV pull and "
+                            "decode from stale blocks; output is garbage")
     serve.set_defaults(func=_serve)
 
     orch = sub.add_parser("orchestrator", help="the cluster's front door, from a cluster YAML")
@@ -140,9 +147,16 @@ def build_parser() -> argparse.ArgumentParser:
     from splitserve.bench import serve as bench_serve
     bench_serve.add_arguments(bench_sub.add_parser(
         "serve", help="load-test an OpenAI-compatible server: TTFT, TPOT, ITL, throughput"))
+    from splitserve.bench import frontend as bench_frontend
+    bench_frontend.add_arguments(bench_sub.add_parser(
+        "frontend", help="the GEN front-end's cost per token relay mode vs prompt length "
+                         "and concurrency"))
     from splitserve.bench import plot as bench_plot
     bench_plot.add_arguments(bench_sub.add_parser(
         "plot", help="PNG plots (latency CDFs, metric vs concurrency) from `bench serve` results"))
+    from splitserve.bench import report as bench_report
+    bench_report.add_arguments(bench_sub.add_parser(       # sets its own func
+        "report", help="run every benchmark and regenerate docs/benchmarks.md"))
     bench.set_defaults(func=_bench)
     return parser
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from splitserve.model.quant import QUANTIZATIONS, int8_supported
+from splitserve.model.quant import QUANTIZATIONS, quantization_supported
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +52,9 @@ class KVTransferConfig:
     port: int = 0                          # 0: any free port
     lease_seconds: float = 30.0            # a context_only request's KV waits this long for a pull
     timeout: float = 30.0                  # a pull that takes longer fails its request
+    # Benchmark only (`bench frontend`): a generation_only pull reports success at once and
+    # moves nothing, so its blocks hold stale KV and the output is garbage.
+    bench_skip_pull: bool = False
 
     def __post_init__(self):
         _require(self.backend in ("tcp", "nixl"), f"KV backend must be tcp or nixl, got {self.backend!r}")
@@ -63,7 +66,7 @@ class KVTransferConfig:
 class EngineConfig:
     model: str | None = None               # None: the bundled SmolLM2-135M-Instruct
     dtype: str = "auto"                    # "auto": see auto_dtype()
-    quantization: str | None = None        # "int8": int8 weights, float32 activations
+    quantization: str | None = None        # "fp16" | "int8" weights; see model/quant.py
     max_model_len: int | None = None       # None: the model's context length
     num_threads: int | None = None         # torch intra-op threads; None: leave as is
     seed: int | None = None                # seeds the sampler for requests without a seed
@@ -77,18 +80,18 @@ class EngineConfig:
         _require(self.quantization is None or self.quantization in QUANTIZATIONS,
                  f"quantization must be None or one of {', '.join(QUANTIZATIONS)}, "
                  f"got {self.quantization!r}")
-        if self.quantization == "int8":
-            _require(self.dtype in ("auto", "float32"), "quantization int8 computes in float32; "
-                     f"use dtype auto or float32, not {self.dtype}")
-            _require(int8_supported(), "quantization int8 needs PyTorch's FBGEMM quantized "
-                     "kernels, which this build of torch lacks")
+        if self.quantization is not None:
+            _require(self.dtype in ("auto", "float32"), f"quantization {self.quantization} "
+                     f"computes in float32; use dtype auto or float32, not {self.dtype}")
+            _require(quantization_supported(self.quantization), f"quantization "
+                     f"{self.quantization} needs PyTorch's FBGEMM kernels, which this torch lacks")
         _require(self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be >= 2")
         _require(self.num_threads is None or self.num_threads >= 1, "num_threads must be >= 1")
 
     @property
     def torch_dtype(self) -> torch.dtype:
         """The dtype activations, float weights and the KV cache are held in."""
-        if self.quantization == "int8":
+        if self.quantization is not None:   # quantized matmuls take and return float32
             return torch.float32
         return auto_dtype() if self.dtype == "auto" else _DTYPES[self.dtype]
 

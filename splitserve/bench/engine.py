@@ -3,11 +3,16 @@
 Prefill: one prompt of --prefill-len tokens at a time (chunked by the token budget), timed
 from admission to first token. Decode: B requests admitted and prefilled first, then only
 decode steps are timed; tok/s = B / median step time.
+
+The machines this runs on are shared, so each measurement also reports how many cores other
+processes kept busy meanwhile (Linux /proc/stat); above ~0.2 the numbers say more about the
+neighbours than about the engine.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import platform
 import statistics
 import time
@@ -23,6 +28,25 @@ from splitserve.tokens import PromptTokens
 
 def _prompt(rng, n: int, vocab: int) -> PromptTokens:
     return PromptTokens(rng.integers(3, min(vocab, 32000), n).astype(np.int32))
+
+
+def _busy_cpu_seconds() -> float | None:
+    """CPU seconds all processes have used since boot; None where /proc/stat is missing."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:]]
+    except OSError:
+        return None
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")   # minus idle, iowait
+
+
+def _measure(fn):
+    """-> (fn(), cores other processes kept busy while it ran, or None if unknown)."""
+    busy0, own0, t0 = _busy_cpu_seconds(), time.process_time(), time.perf_counter()
+    out = fn()
+    wall, own, busy1 = time.perf_counter() - t0, time.process_time() - own0, _busy_cpu_seconds()
+    other = None if busy0 is None else max(0.0, busy1 - busy0 - own) / wall
+    return out, other
 
 
 def _drain(engine: EngineCore) -> None:
@@ -85,30 +109,35 @@ def run(args) -> dict:
     dtype = str(config.torch_dtype).removeprefix("torch.")
     result = {"model": engine.model_config.name, "dtype_requested": args.dtype, "dtype": dtype,
               "quantization": args.quantization, "threads": args.threads, **_machine(),
-              "prefill_len": args.prefill_len,
-              "prefill_tok_s": bench_prefill(engine, args.prefill_len, args.repeats, rng),
-              "decode_prompt_len": args.decode_prompt_len, "decode_tok_s": {}, "decode_ms_step": {}}
-    weights = args.quantization or dtype
-    print(f"{result['model']} {weights} (dtype {args.dtype} -> {dtype}), "
+              "prefill_len": args.prefill_len, "decode_prompt_len": args.decode_prompt_len,
+              "decode_tok_s": {}, "decode_ms_step": {}, "other_cores_busy": {}}
+    print(f"{result['model']} {args.quantization or dtype} weights, dtype {args.dtype} -> {dtype}, "
           f"{result['torch_threads']} threads, CPU {result['cpu_capability']}")
-    print(f"  prefill {args.prefill_len} tokens: {result['prefill_tok_s']:7.1f} tok/s")
+    tps, other = _measure(lambda: bench_prefill(engine, args.prefill_len, args.repeats, rng))
+    result["prefill_tok_s"], result["other_cores_busy"]["prefill"] = tps, other
+    print(f"  prefill {args.prefill_len} tokens: {tps:7.1f} tok/s{_load_note(other)}")
     for b in args.batch_sizes:
-        tps = bench_decode(engine, b, args.decode_steps, args.decode_prompt_len, rng)
-        result["decode_tok_s"][str(b)] = tps
-        result["decode_ms_step"][str(b)] = 1000 * b / tps
-        print(f"  decode batch {b:>3}: {tps:7.1f} tok/s  ({1000 * b / tps:.1f} ms/step)")
+        tps, other = _measure(lambda: bench_decode(engine, b, args.decode_steps,
+                                                   args.decode_prompt_len, rng))
+        result["decode_tok_s"][str(b)], result["decode_ms_step"][str(b)] = tps, 1000 * b / tps
+        result["other_cores_busy"][str(b)] = other
+        print(f"  decode batch {b:>3}: {tps:7.1f} tok/s  ({1000 * b / tps:.1f} ms/step){_load_note(other)}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
     return result
 
 
+def _load_note(other: float | None) -> str:
+    return "" if other is None else f"   [other processes: {other:.2f} cores busy]"
+
+
 def add_arguments(p) -> None:
     p.add_argument("--model", default=None, help="model path or name (default: bundled SmolLM2)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="auto: bfloat16 if the CPU computes it natively, else float32")
-    p.add_argument("--quantization", default=None, choices=["int8"],
-                   help="int8 weights (per output channel) with float32 activations")
+    p.add_argument("--quantization", default=None, choices=["fp16", "int8"],
+                   help="fp16 or int8 (per output channel) weights; see splitserve/model/quant.py")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--prefill-len", type=int, default=512)
     p.add_argument("--repeats", type=int, default=3)

@@ -34,6 +34,9 @@ class RemoteKV:
         self.endpoint = self.transport.start(self.leases)
         self.results: queue.SimpleQueue = queue.SimpleQueue()
         logger.info("engine: KV transport %s at %s", config.backend, self.endpoint)
+        if config.bench_skip_pull:
+            logger.warning("engine: bench_skip_pull is on: generation_only requests skip their "
+                           "KV pull and decode from stale blocks; output is garbage (benchmark only)")
 
     # -- context_only ---------------------------------------------------------------------
     def lease(self, req: Request) -> KVHandle:
@@ -67,8 +70,11 @@ class RemoteKV:
                                       "disaggregated_params.first_gen_tokens")
 
     def start_pull(self, req: Request) -> None:
-        n_blocks = self.bm.blocks_needed(req.num_prompt_tokens)
         req.pulling = True
+        if self.config.bench_skip_pull:   # nothing moves: the blocks keep whatever KV they held
+            self._done(req, PullResult(ok=True))
+            return
+        n_blocks = self.bm.blocks_needed(req.num_prompt_tokens)
         self.transport.pull(req.remote.handle, req.block_ids[:n_blocks],
                             lambda result: self._done(req, result))
 

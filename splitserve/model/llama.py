@@ -17,7 +17,7 @@ from torch import nn
 from splitserve.errors import ModelLoadError
 from splitserve.model.attention import AttentionMetadata, paged_attention
 from splitserve.model.config import ModelConfig
-from splitserve.model.quant import QUANTIZATIONS, Int8Linear, quantize_linears
+from splitserve.model.quant import quantize_linears, quantized_linear
 
 
 class RMSNorm(nn.Module):
@@ -27,7 +27,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # One fused kernel (it accumulates in float32 for bfloat16 inputs) instead of six ops.
+        # PyTorch's composite normalises in float32 for bfloat16 inputs, like the reference;
+        # one call instead of six Python-level ops.
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
@@ -128,14 +129,12 @@ class LlamaModel(nn.Module):
         return self.lm_head(hidden).float()
 
     def quantize(self, method: str) -> None:
-        """Replace every linear layer, the (tied) lm_head included, by its quantized form.
-        Runs after load_weights, so the fused qkv / gate_up weights are quantized whole;
-        the embedding lookup stays in float."""
-        if method != "int8":
-            raise ValueError(f"unknown quantization {method!r}; supported: {', '.join(QUANTIZATIONS)}")
-        quantize_linears(self)
+        """Replace every linear layer, the (tied) lm_head included, by its quantized form
+        (splitserve/model/quant.py). Runs after load_weights, so the fused qkv and gate_up
+        weights are quantized whole; the embedding lookup stays in float."""
+        quantize_linears(self, method)
         if self.lm_head is None:
-            self.lm_head = Int8Linear(self.embed_tokens.weight)
+            self.lm_head = quantized_linear(method, self.embed_tokens.weight)
         self.quantization = method
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

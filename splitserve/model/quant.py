@@ -1,14 +1,14 @@
-"""Weight-only int8 for CPU: per-output-channel symmetric int8 weights, float32 activations.
+"""Quantized linear layers for CPU, on PyTorch's FBGEMM kernels. Activations enter and
+leave as float32; both kinds read fewer weight bytes than float32 and, on a CPU without
+native bfloat16, run faster than any float matmul PyTorch has.
 
-The matmul is FBGEMM's dynamic-quantization linear (torch.ops.quantized.linear_dynamic):
-each call quantizes its input to uint8 with one scale for the whole (T, K) input, multiplies
-in integers and returns float32. On a CPU without native bfloat16 this is the fastest
-matmul PyTorch offers (2-10x float32 on AVX2) and it reads a quarter of float32's bytes.
-
-Numerics to know about: activations are quantized per call, not per row, so a row's output
-depends (slightly) on the other rows of the step; greedy output is not batch-invariant the
-way float32 is. reduce_range keeps activations to 7 bits so that AVX2's 16-bit
-multiply-add (vpmaddubsw) never saturates.
+- "fp16": weights in float16, multiplied in float32 (torch.ops.quantized.linear_dynamic_fp16).
+  Activations are not quantized; logits match float32 to ~1e-3 relative.
+- "int8": per-output-channel symmetric int8 weights (torch.ops.quantized.linear_dynamic).
+  FBGEMM quantizes each call's input to 7-bit unsigned with one scale for the whole (T, K)
+  input, so activation outliers cost precision: fastest, but lossy on small models, and a
+  row's output depends slightly on the other rows of its step (not batch-invariant).
+  7 bits (reduce_range) because AVX2's 16-bit multiply-add (vpmaddubsw) saturates with 8.
 """
 
 from __future__ import annotations
@@ -18,16 +18,16 @@ import warnings
 import torch
 from torch import nn
 
-QUANTIZATIONS = ("int8",)
+QUANTIZATIONS = ("int8", "fp16")
 
-# PyTorch 2.13 deprecates creating qint8 tensors; FBGEMM's prepack still takes one. We make
-# exactly one per weight, at load time, so the warning says nothing a user can act on.
+# PyTorch 2.13 deprecates creating qint8 tensors; FBGEMM's int8 prepack still takes one. We
+# make one per weight at load time, so the warning says nothing a user can act on.
 _QTENSOR_WARNING = r"torch\.quantize_per_tensor, torch\.quantize_per_channel"
 
 
-def int8_supported() -> bool:
-    return "fbgemm" in torch.backends.quantized.supported_engines and hasattr(
-        torch.ops.quantized, "linear_dynamic")
+def quantization_supported(method: str) -> bool:
+    op = {"int8": "linear_dynamic", "fp16": "linear_dynamic_fp16"}[method]
+    return "fbgemm" in torch.backends.quantized.supported_engines and hasattr(torch.ops.quantized, op)
 
 
 class Int8Linear(nn.Module):
@@ -42,8 +42,7 @@ class Int8Linear(nn.Module):
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_QTENSOR_WARNING, category=UserWarning)
             qw = torch._make_per_channel_quantized_tensor(q, scale.double(), zero, 0)
-            b = None if bias is None else bias.detach().float()
-            self._packed = torch.ops.quantized.linear_prepack(qw, b)
+            self._packed = torch.ops.quantized.linear_prepack(qw, _float(bias))
         self.in_features, self.out_features = w.shape[1], w.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -53,13 +52,41 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8"
 
 
-def quantize_linears(module: nn.Module) -> int:
-    """Replace every nn.Linear under `module` with an Int8Linear; returns how many."""
+class Fp16Linear(nn.Module):
+    """y = x @ W_fp16.T + b for float32 x (..., K) -> (..., N), accumulated in float32."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        self._packed = torch.ops.quantized.linear_prepack_fp16(weight.detach().float(), _float(bias))
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.quantized.linear_dynamic_fp16(x, self._packed)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, fp16"
+
+
+_LINEARS = {"int8": Int8Linear, "fp16": Fp16Linear}
+
+
+def _float(bias: torch.Tensor | None) -> torch.Tensor | None:
+    return None if bias is None else bias.detach().float()
+
+
+def quantized_linear(method: str, weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Module:
+    if method not in _LINEARS:
+        raise ValueError(f"unknown quantization {method!r}; supported: {', '.join(QUANTIZATIONS)}")
+    return _LINEARS[method](weight, bias)
+
+
+def quantize_linears(module: nn.Module, method: str) -> int:
+    """Replace every nn.Linear under `module` by its quantized form; returns how many."""
     count = 0
     for name, child in list(module.named_children()):
         if isinstance(child, nn.Linear):
-            setattr(module, name, Int8Linear(child.weight, child.bias))
+            setattr(module, name, quantized_linear(method, child.weight, child.bias))
             count += 1
         else:
-            count += quantize_linears(child)
+            count += quantize_linears(child, method)
     return count

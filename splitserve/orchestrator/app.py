@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import time
 
@@ -194,6 +195,8 @@ class Orchestrator:
             timeout=aiohttp.ClientTimeout(total=self.config.request_timeout, sock_connect=5.0),
             connector=aiohttp.TCPConnector(limit=0))
         self._health_task = asyncio.create_task(self._health_loop())
+        gc.collect()
+        gc.freeze()   # long-lived objects out of full GC passes (event-loop stalls)
         runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
         await runner.setup()
         await web.TCPSite(runner, self.config.host, self.config.port).start()

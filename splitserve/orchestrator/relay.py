@@ -81,7 +81,11 @@ def context_body(body: dict, mode: str) -> dict:
 
 
 def generation_body(body: dict, ctx_params: dict) -> dict:
-    return {**body, "disaggregated_params": {**ctx_params, "request_type": "generation_only"}}
+    """The client's request minus its prompt (GEN takes the prompt from ctx_params, in the
+    relay mode's form; a token-id prompt must not cost GEN a JSON list decode anyway)."""
+    out = {k: v for k, v in body.items() if k not in ("prompt", "messages")}
+    out["disaggregated_params"] = {**ctx_params, "request_type": "generation_only"}
+    return out
 
 
 def as_stream(answer: dict, include_usage: bool) -> bytes:

@@ -52,6 +52,11 @@ class _BaseRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     prompt_logprobs: int | None = None
     disaggregated_params: DisaggregatedParams | None = None
 
+    @property
+    def _generation_only(self) -> bool:
+        dp = self.disaggregated_params
+        return dp is not None and dp.request_type == "generation_only"
+
     def __post_init__(self):
         _check(self.n is None or self.n <= MAX_N, f"n must be at most {MAX_N}", "n")
         _check(not isinstance(self.stop, list) or len(self.stop) <= MAX_STOP,
@@ -84,7 +89,8 @@ class _BaseRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 class CompletionRequest(_BaseRequest, kw_only=True, omit_defaults=True):
     # msgspec allows one array-like type per union: homogeneity is checked in __post_init__.
-    prompt: str | list[str | int | list[int]]
+    # None only for generation_only: the prompt then arrives in disaggregated_params.
+    prompt: str | list[str | int | list[int]] | None = None
     max_tokens: int | None = 16               # null: up to the model's context
     logprobs: int | None = None               # alternatives per token, 0..20
     echo: bool | None = None
@@ -93,7 +99,9 @@ class CompletionRequest(_BaseRequest, kw_only=True, omit_defaults=True):
 
     def __post_init__(self):
         super().__post_init__()
-        _check_prompt(self.prompt)
+        if self.prompt is not None or not self._generation_only:
+            _check(self.prompt is not None, "prompt is required", "prompt")
+            _check_prompt(self.prompt)
         _check(not self.suffix, "suffix is not supported", "suffix")
         _check(self.best_of is None or self.best_of == (self.n or 1),
                "best_of is not supported (it must equal n)", "best_of")
@@ -137,7 +145,7 @@ class ChatMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 
 class ChatCompletionRequest(_BaseRequest, kw_only=True, omit_defaults=True):
-    messages: list[ChatMessage]
+    messages: list[ChatMessage] | None = None    # None only for generation_only (see prompt)
     max_tokens: int | None = None             # deprecated by OpenAI: max_completion_tokens wins
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
@@ -147,7 +155,8 @@ class ChatCompletionRequest(_BaseRequest, kw_only=True, omit_defaults=True):
 
     def __post_init__(self):
         super().__post_init__()
-        _check(bool(self.messages), "messages must not be empty", "messages")
+        if self.messages is not None or not self._generation_only:
+            _check(bool(self.messages), "messages must not be empty", "messages")
         _check(self.top_logprobs is None or 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
                f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}", "top_logprobs")
         _check(bool(self.logprobs) or not self.top_logprobs,

@@ -9,11 +9,14 @@ from __future__ import annotations
 import bisect
 import math
 import re
+import time
 from typing import Iterator, Sequence
 
 # 1 ms .. 60 s: covers a decode step on a GPU up to a long prefill on a CPU.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75,
                    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 30.0, 60.0)
+# 10 us .. 60 s: front-end stages whose cost on an idle loop is well below a millisecond.
+FINE_LATENCY_BUCKETS = (1e-5, 2.5e-5, 5e-5, 7.5e-5, 1e-4, 2.5e-4, 5e-4, 7.5e-4) + LATENCY_BUCKETS
 
 
 class _Metric:
@@ -229,8 +232,9 @@ class ServerMetrics:
                          "Arrival to first scheduled in the engine")
         self.preprocessing = add(Histogram, "preprocessing_seconds",
                                  "Sent (X-Sent-At) or HTTP arrival to engine admission")
-        self.gen_preprocessing = add(Histogram, "gen_preprocessing_seconds",
-                                     "generation_only: sent or arrival to engine admission")
+        self.gen_preprocessing = r.register(Histogram(
+            prefix + "gen_preprocessing_seconds",
+            "generation_only: sent or arrival to engine admission", buckets=FINE_LATENCY_BUCKETS))
         self.kv_transfer = add(Histogram, "kv_transfer_seconds",
                                "generation_only: time to pull the prompt's KV from the context worker")
         self.token_relay = add(Counter, "token_relay_total",
@@ -248,6 +252,10 @@ class ServerMetrics:
                                   "Prompt tokens looked up in the prefix cache")
         self.prefix_hits = add(Counter, "prefix_cache_hits_total",
                                "Prompt tokens found in the prefix cache")
+        # The Prometheus client's standard name, unprefixed: this front-end process only
+        # (all its threads), not the engine-core process.
+        self.process_cpu = r.register(Counter("process_cpu_seconds_total",
+                                              "User and system CPU time of this front-end process"))
 
     def request_done(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint, status).inc()
@@ -260,6 +268,10 @@ class ServerMetrics:
         self.kv_leased.set(stats.kv_blocks_leased)
         self.prefix_queries.set_total(stats.prefix_cache_queries)
         self.prefix_hits.set_total(stats.prefix_cache_hits)
+
+    def update_process(self) -> None:
+        """Called when /metrics is scraped."""
+        self.process_cpu.set_total(time.process_time())
 
     def set_kv_blocks(self, used: int, total: int) -> None:
         self.kv_used.set(used)

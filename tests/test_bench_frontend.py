@@ -1,0 +1,86 @@
+"""`splitserve bench frontend` against real tiny GEN workers: one that skips KV pulls (the
+benchmark's target) and one that does not (which the benchmark must refuse). No timing
+ratios are asserted: the machine is shared and noisy."""
+
+import json
+
+import pytest
+
+from server_utils import Worker, get, post
+from splitserve.bench import frontend
+from splitserve.cli import main
+
+GEN = ("--model", "tiny-random", "--dtype", "float32", "--role", "gen", "--num-blocks", "2048")
+ROW_FIELDS = {"mode", "isl", "concurrency", "requests", "completed", "errors",
+              "truncated_by_duration", "duration_s", "request_throughput", "body_bytes",
+              "server_cpu_s", "server_cpu_per_request_us", "engine_cpu_per_request_us",
+              "client_cpu_per_request_us", "gen_preprocessing_ms", "queue_ms", "client_latency_ms"}
+HIST_FIELDS = {"count", "mean_ms", "p50_ms", "p99_ms"}
+
+
+def bench(url: str, tmp_path, *extra: str) -> dict:
+    path = tmp_path / "frontend.json"
+    assert main(["--log-level", "WARNING", "bench", "frontend", "--url", url, "--isl", "64,1024",
+                 "--concurrency", "4", "--requests", "10", "--no-progress",
+                 "--json", str(path), "--plot", str(tmp_path / "frontend.png"), *extra]) == 0
+    return json.loads(path.read_text())
+
+
+def test_every_mode_runs_against_a_worker_that_skips_kv_pulls(tmp_path):
+    worker = Worker(*GEN, "--bench-skip-kv-pull")
+    try:
+        result = bench(worker.url, tmp_path)
+    finally:
+        worker.close()
+    assert result["bench_skip_kv_pull"] is True and "skipped" in result["note"]
+    assert result["worker"]["health"]["bench_skip_kv_pull"] is True
+    runs = result["runs"]
+    assert [(r["mode"], r["isl"], r["concurrency"]) for r in runs] == [
+        (m, isl, 4) for isl in (64, 1024) for m in ("list", "b64", "metadata")]
+    for r in runs:
+        assert set(r) == ROW_FIELDS
+        assert (r["completed"], r["errors"], r["truncated_by_duration"]) == (10, 0, False)
+        assert r["server_cpu_per_request_us"] > 0 and r["client_cpu_per_request_us"] > 0
+        assert r["engine_cpu_per_request_us"] is None      # a worker this run did not start
+        assert set(r["gen_preprocessing_ms"]) == HIST_FIELDS == set(r["queue_ms"])
+        assert r["gen_preprocessing_ms"]["count"] == 10
+        assert r["client_latency_ms"]["count"] == 10 and r["request_throughput"] > 0
+    sizes = {r["mode"]: r["body_bytes"] for r in runs if r["isl"] == 1024}
+    assert sizes["metadata"] < sizes["b64"] < sizes["list"]
+    assert [t["bound"] for t in result["targets"]] == [1 / 5, 1 / 20, 1.5, 10.0]
+    assert all(isinstance(t["pass"], bool) for t in result["targets"])
+    assert (tmp_path / "frontend.png").stat().st_size > 0 and result["plot"].endswith(".png")
+
+
+def test_refuses_a_worker_that_really_pulls_kv(tmp_path):
+    worker = Worker(*GEN, "--kv-timeout", "1")   # a pull to nowhere waits this long
+    try:
+        _, health = get(worker.url + "/health")
+        assert "bench_skip_kv_pull" not in json.loads(health)
+        # Why it must refuse: the benchmark's KV handle points nowhere, so the pull fails
+        # (cleanly: an error answer, and the worker keeps serving).
+        layout, vocab, _ = frontend.tiny_layout(16)
+        target = frontend.Target(worker.url, "tiny-random", layout, vocab)
+        body = b"one".join(frontend.body_parts(target, "metadata", 64))
+        status, answer = post(worker.url + "/v1/completions", body)
+        assert status != 200 and "KV transfer" in answer["error"]["message"]
+        assert get(worker.url + "/health")[0] == 200
+        with pytest.raises(SystemExit, match="bench_skip_kv_pull: true"):
+            bench(worker.url, tmp_path)
+    finally:
+        worker.close()
+
+
+def test_targets_use_the_grid_values_nearest_to_the_issue():
+    def row(mode, isl, c, cpu_us, p99_ms=1.0):
+        return {"mode": mode, "isl": isl, "concurrency": c, "server_cpu_per_request_us": cpu_us,
+                "gen_preprocessing_ms": {"p99_ms": p99_ms}}
+    runs = [row("list", 1024, 8, 100), row("b64", 1024, 8, 10), row("metadata", 1024, 8, 4),
+            row("list", 32768, 8, 1000), row("b64", 32768, 8, 300),
+            row("metadata", 32768, 8, 5, p99_ms=12.0)]
+    b64, meta, flat, p99 = frontend.evaluate_targets(runs)
+    assert (b64["value"], b64["pass"]) == (0.3, False) and "32768" in b64["name"]
+    assert (meta["value"], meta["pass"]) == (0.005, True)
+    assert (flat["value"], flat["pass"]) == (1.25, True) and "32768 / ISL 1024" in flat["name"]
+    assert (p99["value"], p99["pass"]) == (12.0, False) and "concurrency 8" in p99["name"]
+    assert frontend._ints("1k, 32k,500") == (1024, 32768, 500)

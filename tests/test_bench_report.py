@@ -1,0 +1,64 @@
+"""`splitserve bench report` end to end on the tiny model: every section runs the real tools
+(engine bench, a worker, `splitserve up`, the front-end bench, plots) and the page comes out
+with every section, numbers in its tables, its plots on disk, and no server left running."""
+
+import os
+import re
+
+from splitserve.bench import report_sections
+from splitserve.cli import main
+
+NUMBER = r"[\d,]+\.?\d*"
+
+
+def _servers_on(ports: set[int]) -> list[str]:
+    """Command lines of live splitserve processes listening on any of these ports."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                args = f.read().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if "splitserve.cli" in args and any(
+                a == "--port" and b.isdigit() and int(b) in ports for a, b in zip(args, args[1:])):
+            found.append(" ".join(args))
+    return found
+
+
+def test_report_on_the_tiny_model(tmp_path):
+    out = tmp_path / "benchmarks.md"
+    assert main(["bench", "report", "--quick", "--model", "tiny-random", "--out", str(out),
+                 "--img-dir", str(tmp_path / "img"), "--results-dir", str(tmp_path / "results"),
+                 "--frontend-args", "--isl 64 --concurrency 2 --requests 8 --duration 5"]) == 0
+    page = out.read_text()
+
+    titles = [title for title, _ in report_sections.SECTIONS] + ["5. How to regenerate"]
+    assert re.findall(r"^## (.+)$", page, re.M) == titles
+    assert "FAILED" not in page and "failed:" not in page and "missing" not in page
+    assert re.search(r"\*\*Summary\.\*\* .*prefills .* tok/s", page)
+
+    for config in ("float32", "bfloat16", "int8"):        # engine: a row of numbers each
+        assert re.search(rf"^\| {config} \(\w+ compute\) \| {NUMBER} \(\d+ tokens\) \| {NUMBER} "
+                         rf"\| {NUMBER} \|", page, re.M), config
+    for c in (1, 16, 64):                                 # one worker: every request succeeded
+        assert re.search(rf"^\| {c} \| (\d+) / 0 \| {NUMBER} \| {NUMBER} \| {NUMBER} / ", page,
+                         re.M), c
+    for target in ("aggregated", "disaggregated"):
+        assert re.search(rf"^\| {target}: [^|]+ \| {NUMBER} / {NUMBER} \| {NUMBER} / {NUMBER} \|",
+                         page, re.M), target
+    assert re.search(r"^\| GEN \| `kv_transfer` \| [1-9]", page, re.M)
+    assert re.search(r"^\| orchestrator \| `orchestrator_relay` \| [1-9]", page, re.M)
+    assert re.search(r"^\| server CPU/request .* \| (\*\*PASS\*\*|FAIL) \|$", page, re.M)
+    assert "TTFT   time to first token" in page          # the metric definitions
+
+    images = re.findall(r"!\[[^\]]*\]\(([^)]+\.png)\)", page)
+    assert {os.path.basename(p) for p in images} >= {"cdf_ttft.png", "cdf_itl.png",
+                                                      "vs_concurrency.png", "frontend.png"}
+    assert all((tmp_path / p).stat().st_size > 1000 for p in images)
+    assert len(images) >= 8     # worker: 3 CDFs + vs concurrency; disagg: 3 CDFs; frontend
+    for name in ("engine-float32", "worker-c64", "agg-mixed", "disagg-mixed", "frontend"):
+        assert (tmp_path / "results" / f"{name}.json").exists()
+
+    ports = {int(p) for p in re.findall(r"--port (\d+)", page)}
+    assert _servers_on(ports | {p + i for p in ports for i in (1, 2)}) == []
