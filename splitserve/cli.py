@@ -38,7 +38,8 @@ def _engine_config(args):
     from splitserve import envs
     from splitserve.config import CacheConfig, EngineConfig, KVTransferConfig, SchedulerConfig
     return EngineConfig(
-        model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+        model=args.model, dtype=args.dtype, quantization=args.quantization,
+        max_model_len=args.max_model_len,
         num_threads=args.threads or envs.num_threads(), seed=args.seed,
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
                           memory_bytes=int(args.kv_cache_gib * (1 << 30)),
@@ -52,7 +53,10 @@ def _engine_config(args):
 def _add_engine_arguments(p) -> None:
     p.add_argument("--model", default=None,
                    help="HF folder, .gguf file, 'tiny-random' (default: bundled SmolLM2-135M)")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="auto: bfloat16 where the CPU computes it natively, else float32")
+    p.add_argument("--quantization", default=None, choices=["int8", "fp16"],
+                   help="weight quantization (activations float32)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--threads", type=int, default=None, help="torch threads of the engine")
     p.add_argument("--seed", type=int, default=None)
@@ -102,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat = sub.add_parser("chat", help="answer one chat message offline")
     chat.add_argument("message")
     chat.add_argument("--model", default=None)
-    chat.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    chat.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     chat.add_argument("--temperature", type=float, default=0.0)
     chat.add_argument("--max-tokens", type=int, default=128)
     chat.set_defaults(func=_chat)
@@ -127,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     upp = sub.add_parser("up", help="a local cluster: orchestrator + CTX + GEN workers")
     upp.add_argument("--model", default=None)
-    upp.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    upp.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     upp.add_argument("--host", default="127.0.0.1")
     upp.add_argument("--port", type=int, default=8000, help="orchestrator; workers take the next ports")
     upp.add_argument("--num-ctx", type=int, default=1)

@@ -80,7 +80,7 @@ def banner(config: ClusterConfig) -> str:
             f"gen: {len(config.generation_servers.urls)}); Ctrl-C stops everything\n\n"
             f"curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
             f"  -d '{{\"messages\": [{{\"role\": \"user\", \"content\": \"What is the capital of "
-            f"France?\"}}], \"max_tokens\": 32}}'\n")
+            f"France?\"}}], \"max_tokens\": 32, \"temperature\": 0}}'\n")
 
 
 def _worker_died(procs: list[subprocess.Popen]) -> bool:
