@@ -50,6 +50,9 @@ def test_disaggregated_equals_aggregated(cluster, path, body):
         want["choices"][0]["text"] = want["choices"][0]["message"]["content"]
     assert text == want["choices"][0]["text"]
     assert leased(ctx) == 0
+    ctx_m = metrics(ctx.url)
+    assert ctx_m["splitserve_prefill_seconds_count"] >= 2
+    assert ctx_m["splitserve_request_queue_time_seconds_count"] >= 2
     gen_m = metrics(gen.url)
     assert gen_m["splitserve_kv_transfer_seconds_count"] >= 2
     assert gen_m["splitserve_gen_preprocessing_seconds_count"] >= 2

@@ -15,6 +15,7 @@ import contextlib
 import io
 import os
 import random
+import resource
 import shlex
 import signal
 import socket
@@ -26,6 +27,8 @@ from dataclasses import dataclass, field
 
 from splitserve.orchestrator.up import wait_healthy
 from splitserve.server.metrics import parse_prometheus
+
+_TICK = os.sysconf("SC_CLK_TCK")
 
 
 @dataclass(frozen=True)
@@ -191,7 +194,8 @@ class Service:
         t0 = time.monotonic()
         try:
             wait_healthy([self.proc], [self.url], self.timeout)
-            print(f"# report: healthy after {time.monotonic() - t0:.1f} s", file=self.log, flush=True)
+            print(f"# report: healthy after {time.monotonic() - t0:.1f} s", file=self.log,
+                  flush=True)
         except (RuntimeError, TimeoutError) as exc:
             self.stop()
             with open(self.log_path) as f:
@@ -249,8 +253,43 @@ def machine_line() -> str:
             f"{', '.join(m['isa']) or 'no AVX2/AVX512'}; native bfloat16: {bf16}")
 
 
-def loadavg() -> str:
-    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+class LoadProbe:
+    """How many cores processes other than the report's kept busy since construction (the
+    VM is shared): the machine's CPU time (/proc/stat) minus the report's own, its reaped
+    children's, and that of the live process groups of `services` (workers and engines)."""
+
+    def __init__(self, *services: Service):
+        self.services = services
+        self.t0, self.machine0, self.own0 = time.monotonic(), _machine_cpu_s(), self._own_s()
+
+    def _own_s(self) -> float:
+        kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return (time.process_time() + kids.ru_utime + kids.ru_stime
+                + sum(_group_cpu_s(s.proc.pid) for s in self.services))
+
+    def cores(self) -> float:
+        other = (_machine_cpu_s() - self.machine0) - (self._own_s() - self.own0)
+        return max(other, 0.0) / max(time.monotonic() - self.t0, 1e-9)
+
+
+def _machine_cpu_s() -> float:
+    with open("/proc/stat") as f:      # cpu  user nice system idle iowait irq softirq ...
+        user, nice, system, _idle, _iowait, irq, softirq = map(int, f.readline().split()[1:8])
+    return (user + nice + system + irq + softirq) / _TICK
+
+
+def _group_cpu_s(pgid: int) -> float:
+    """CPU seconds of a process group's live members, and of the children they reaped."""
+    total = 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid:
+            total += sum(map(int, fields[11:15]))     # utime stime cutime cstime
+    return total / _TICK
 
 
 def git_commit() -> str:
@@ -309,20 +348,20 @@ def run(args) -> int:
         raise SystemExit(f"splitserve bench report: {exc}") from None
     for folder in (os.path.dirname(os.path.abspath(cfg.out)), cfg.img_dir, cfg.results_dir):
         os.makedirs(folder, exist_ok=True)
-    t0, sections = time.monotonic(), []
+    t0, whole, sections = time.monotonic(), LoadProbe(), []
     for title, build in report_sections.SECTIONS:
-        started, load = time.monotonic(), loadavg()
-        print(f"== {title} (load average {load})", file=sys.stderr, flush=True)
+        print(f"== {title}", file=sys.stderr, flush=True)
+        started, probe = time.monotonic(), LoadProbe()
         try:
             section = build(cfg)
         except Exception as exc:   # noqa: BLE001 -- a failed section is reported, not fatal
             section = Section(title, failed(exc))
-        section.body += (f"\n\n_This section took {time.monotonic() - started:.0f} s; "
-                         f"load average when it started: {load}._")
+        section.body += (f"\n\n_This section took {time.monotonic() - started:.0f} s; other "
+                         f"processes kept {probe.cores():.1f} cores busy meanwhile._")
         sections.append(section)
     elapsed = time.monotonic() - t0
     sections.append(report_sections.howto(cfg, elapsed))
-    page = report_sections.header(cfg, sections) + "".join(
+    page = report_sections.header(cfg, sections, whole.cores()) + "".join(
         f"\n## {s.title}\n\n{s.body.strip()}\n" for s in sections)
     with open(cfg.out, "w") as f:
         f.write(page)

@@ -8,12 +8,15 @@ import os
 import time
 
 from splitserve.bench.metrics import latency_stats, server_deltas
-from splitserve.bench.report import (ReportConfig, Section, Service, StepFailed, commands,
-                                     failed, free_port, git_commit, machine, machine_line, num,
-                                     run_inprocess, run_step, scrape, stats, table, tool)
+from splitserve.bench.report import (LoadProbe, ReportConfig, Section, Service, StepFailed,
+                                     commands, failed, free_port, git_commit, machine,
+                                     machine_line, num, run_inprocess, run_step, scrape, stats,
+                                     table, tool)
 
 TARGET_PREFILL, TARGET_DECODE8 = 1500.0, 260.0
-MIXED_SEED = 4        # 3 long prompts (3.7k-4.2k words) among the full run's 32 requests
+MIXED_SEED = 22       # full run: long prompts are requests 6 and 15 of 20; quick: 6 of 8
+BACKGROUND = ("background: how many cores other processes on this shared VM kept busy "
+              "during the step (/proc/stat minus the benchmark's own processes)")
 STEP_ERRORS = (StepFailed, OSError, ValueError, KeyError)
 
 
@@ -53,10 +56,11 @@ def engine(cfg: ReportConfig) -> Section:
         cmds.append(tool("bench", "engine", *cfg.model_args, *args, *_engine_load(cfg, name),
                          "--json", path))
         try:
+            probe = LoadProbe()
             run_step(cmds[-1], 240 if cfg.quick else 600, cfg.result(f"logs/engine-{name}.log"))
             results[name] = r = _load(path)
         except STEP_ERRORS as exc:
-            rows.append([name, _first_line(exc)] + [""] * 6)
+            rows.append([name, _first_line(exc)] + [""] * 7)
             continue
         d, ms = r["decode_tok_s"], r["decode_ms_step"]
         rows.append([f"{name} ({r['dtype']} compute)",
@@ -64,14 +68,15 @@ def engine(cfg: ReportConfig) -> Section:
                      *(num(d.get(b)) for b in ("1", "8", "32")),
                      " / ".join(num(ms.get(b), 0) for b in ("1", "8", "32")),
                      _verdict(r["prefill_tok_s"], TARGET_PREFILL),
-                     _verdict(d.get("8"), TARGET_DECODE8)])
+                     _verdict(d.get("8"), TARGET_DECODE8), num(probe.cores())])
     scope = "" if cfg.model is None else " (they are for the bundled model, not this one)"
     body = "\n\n".join([
         f"Machine: {machine_line()}. `splitserve bench engine` times the engine alone, in "
         "one process with torch's default threads (all cores), no HTTP: prefill is one prompt "
-        "at a time; decode tok/s is the batch size over the median step time.",
+        f"at a time; decode tok/s is the batch size over the median step time; {BACKGROUND}.",
         table(["configuration", "prefill tok/s", "decode tok/s b=1", "b=8", "b=32",
-               "ms/step b=1 / 8 / 32", "prefill ≥ 1,500", "decode b=8 ≥ 260"], rows),
+               "ms/step b=1 / 8 / 32", "prefill ≥ 1,500", "decode b=8 ≥ 260",
+               "background (cores)"], rows),
         "Targets from the issue, which is what a widely used engine reaches with the same "
         f"model on this machine: decode at batch 8 ≥ 260 tok/s, prefill ≥ 1,500 tok/s{scope}.",
         _bf16_note(results), commands(cmds)])
@@ -129,12 +134,12 @@ WORKER = "2. One worker: latency and throughput against concurrency"
 
 def worker(cfg: ReportConfig) -> Section:
     n_in, n_out, duration = (64, 16, 30) if cfg.quick else (256, 64, 60)
-    requests = {1: 3, 16: 16, 64: 64} if cfg.quick else {1: 8, 16: 32, 64: 64}
+    requests = {1: 3, 16: 16, 64: 64} if cfg.quick else {1: 6, 16: 16, 64: 64}
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     serve = _worker_cmd(cfg, port)
     rows, cmds, paths = [], [serve], []
-    with Service(serve, url, cfg.result("logs/worker-server.log"), cfg.start_timeout):
+    with Service(serve, url, cfg.result("logs/worker-server.log"), cfg.start_timeout) as svc:
         for c, n in requests.items():
             path = cfg.result(f"worker-c{c}.json")
             cmds.append(_bench_serve(url, f"worker-c{c}", path, "--workload", "random",
@@ -142,23 +147,26 @@ def worker(cfg: ReportConfig) -> Section:
                                      c, "--num-requests", n, "--duration", duration,
                                      "--warmup", 1 if cfg.quick else 2))
             try:
+                probe = LoadProbe(svc)
                 run_step(cmds[-1], duration + 600, cfg.result(f"logs/worker-c{c}.log"))
                 m = _load(path)["metrics"]
                 paths.append(path)
             except STEP_ERRORS as exc:
-                rows.append([c, _first_line(exc)] + [""] * 7)
+                rows.append([c, _first_line(exc)] + [""] * 8)
                 continue
             rows.append([c, f"{m['completed']} / {m['failed']}", num(m["request_throughput"], 2),
                          num(m["output_throughput"]), stats(m["ttft_ms"]), stats(m["tpot_ms"]),
-                         stats(m["itl_ms"]), stats(m["e2e_ms"]), _errors(m)])
+                         stats(m["itl_ms"]), stats(m["e2e_ms"]), _errors(m),
+                         num(probe.cores())])
     plot_cmd, plots = _plot(cfg, paths, "worker")
     body = "\n\n".join([
         f"One `splitserve serve` worker ({cfg.serve_dtype}, 2 threads) on "
         f"{cfg.model or 'the bundled model'}: streaming /v1/completions, random prompts of "
         f"{n_in} tokens, {n_out} output tokens each (ignore_eos), closed loop at each "
-        "concurrency. Latencies in ms as p50 / p90 / p99 (definitions at the end).",
-        table(["concurrency", "ok / failed", "req/s", "output tok/s", "TTFT", "TPOT", "ITL",
-               "E2E", "errors"], rows), plots, commands(cmds + plot_cmd)])
+        "concurrency. Latencies in ms as p50 / p90 / p99 (definitions at the end); "
+        f"{BACKGROUND}.", table(["concurrency", "ok / failed", "req/s", "output tok/s", "TTFT",
+                                 "TPOT", "ITL", "E2E", "errors", "background (cores)"], rows),
+        plots, commands(cmds + plot_cmd)])
     c16 = cfg.result("worker-c16.json")
     if c16 not in paths:
         return Section(WORKER, body)
@@ -191,10 +199,10 @@ DISAGG = "3. Aggregated vs disaggregated: short chats while long prompts prefill
 def disagg(cfg: ReportConfig) -> Section:
     rate, n, duration, n_in, n_out, frac, lo, hi = (
         (2.0, 8, 30, 64, 16, 0.25, 1000, 2000) if cfg.quick else
-        (0.4, 32, 90, 128, 32, 0.1, 2000, 6000))
+        (0.2, 20, 100, 64, 32, 0.1, 2000, 4000))
     targets = {"agg-mixed": "aggregated: 1 worker, 2 threads",
                "disagg-mixed": "disaggregated: 1 CTX + 1 GEN, 1 thread each"}
-    results, cmds, notes, gen = {}, [], [], None
+    results, cmds, notes, gen, background = {}, [], [], None, {}
     for label, name in targets.items():
         port = free_port(3)
         gen_url = f"http://127.0.0.1:{port + 2}" if label == "disagg-mixed" else None
@@ -208,9 +216,11 @@ def disagg(cfg: ReportConfig) -> Section:
             "--request-rate", rate, "--num-requests", n, "--duration", duration,
             "--seed", MIXED_SEED, "--warmup", 1)]
         try:
-            with Service(serve, url, cfg.result(f"logs/{label}-server.log"), cfg.start_timeout):
-                before = scrape(gen_url) if gen_url else None
+            with Service(serve, url, cfg.result(f"logs/{label}-server.log"),
+                         cfg.start_timeout) as svc:
+                before, probe = scrape(gen_url) if gen_url else None, LoadProbe(svc)
                 run_step(cmds[-1], duration + 600, cfg.result(f"logs/{label}.log"))
+                background[label] = probe.cores()
                 if gen_url:
                     gen = server_deltas(before, scrape(gen_url))
                     with open(cfg.result(f"{label}-gen-server.json"), "w") as f:
@@ -230,7 +240,8 @@ def disagg(cfg: ReportConfig) -> Section:
                         stats(long_.get("ttft_ms", {}), ("p50", "max"))])
         tput.append([targets[label], f"{m['completed']} / {m['failed']}",
                      long_.get("completed", 0), num(m["duration_s"]),
-                     num(m["request_throughput"], 2), num(m["output_throughput"]), _errors(m)])
+                     num(m["request_throughput"], 2), num(m["output_throughput"]), _errors(m),
+                     num(background.get(label))])
     plot_cmd, plots = _plot(cfg, [cfg.result(f"{k}.json") for k in results], "disagg")
     body = "\n\n".join([
         f"The same open-loop `mixed` workload (seed {MIXED_SEED}) against both targets: chat "
@@ -243,7 +254,7 @@ def disagg(cfg: ReportConfig) -> Section:
                "long prompt prefills", "short ITL while a long prompt prefills",
                "long TTFT p50 / max"], latency),
         table(["target", "ok / failed", "long ok", "duration s", "req/s", "output tok/s",
-               "errors"], tput), _throughput_note(results, rate),
+               "errors", "background (cores)"], tput), _throughput_note(results, rate),
         "Server-side stages of the disaggregated run: the orchestrator's histograms from the "
         "`server` section of its JSON, and the GEN worker's /metrics scraped before and after "
         "the run (so they include its warm-up request). Quantiles are interpolated within "
@@ -343,16 +354,17 @@ def frontend(cfg: ReportConfig) -> Section:
 SECTIONS = ((ENGINE, engine), (WORKER, worker), (DISAGG, disagg), (FRONTEND, frontend))
 
 
-def header(cfg: ReportConfig, sections: list[Section]) -> str:
+def header(cfg: ReportConfig, sections: list[Section], background: float) -> str:
     clauses = [s.summary for s in sections if s.summary]
     summary = "; ".join(clauses) + "." if clauses else "no step produced numbers."
     model = cfg.model or "the bundled SmolLM2-135M-Instruct (GGUF Q4_1, dequantized)"
     return (f"# Benchmarks\n\nGenerated by `{cfg.command}` on {time.strftime('%Y-%m-%d %H:%M %Z')}"
             f" from commit {git_commit()}.\n\n- Machine: {machine_line()}.\n- Model: {model}; "
             f"served workers run {cfg.serve_dtype}.\n\n**Summary.** {summary[0].upper()}"
-            f"{summary[1:]} The machine is a small VM shared with other jobs, so absolute "
-            "numbers are noisy (each section notes the load average it started at); ratios "
-            "carry over better.\n")
+            f"{summary[1:]} The machine is a small VM shared with other jobs: other processes "
+            f"kept {background:.1f} of its {machine()['nproc']} cores busy on average during "
+            "this run (each table says how many during each step), so absolute numbers are "
+            "noisy; ratios carry over better.\n")
 
 
 def howto(cfg: ReportConfig, elapsed: float) -> Section:

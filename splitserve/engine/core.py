@@ -8,6 +8,7 @@ only moves messages.
 from __future__ import annotations
 
 import logging
+import time
 
 import msgspec
 import numpy as np
@@ -208,6 +209,7 @@ class EngineCore:
             delta.num_cached_tokens = req.num_cached_tokens
             if req.first_scheduled_time is not None:
                 delta.queue_time = req.first_scheduled_time - req.arrival_time
+                delta.prefill_time = time.monotonic() - req.first_scheduled_time
             delta.kv_transfer_time = req.kv_transfer_time
             delta.admit_time = req.admit_time
         reason = self._check_stop(req, token, delta)

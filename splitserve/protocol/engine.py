@@ -54,6 +54,7 @@ class CompletionDelta(msgspec.Struct, omit_defaults=True):
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     queue_time: float = 0.0                              # seconds waiting before first scheduled
+    prefill_time: float = 0.0                            # first scheduled to first token
     error: str | None = None
     error_param: str | None = None                       # set when the engine rejected the input
     kv_handle: KVHandle | None = None                    # context_only: KV left for a GEN to pull

@@ -194,6 +194,7 @@ class GenerateHandlers:
                     if prev is None:
                         m.ttft.observe(now - arrival)
                         m.queue.observe(delta.queue_time)
+                        m.prefill.observe(delta.prefill_time)
                         if delta.index == 0:
                             m.prompt_tokens.inc(delta.num_prompt_tokens)
                             m.preprocessing.observe(max(delta.admit_time - arrival, 0.0))

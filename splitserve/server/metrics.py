@@ -230,6 +230,8 @@ class ServerMetrics:
         self.e2e = add(Histogram, "e2e_request_latency_seconds", "Arrival to last token")
         self.queue = add(Histogram, "request_queue_time_seconds",
                          "Arrival to first scheduled in the engine")
+        self.prefill = add(Histogram, "prefill_seconds",
+                           "First scheduled to first token (a generation_only request: the KV pull)")
         self.preprocessing = add(Histogram, "preprocessing_seconds",
                                  "Sent (X-Sent-At) or HTTP arrival to engine admission")
         self.gen_preprocessing = r.register(Histogram(
