@@ -15,6 +15,7 @@ from splitserve.engine.core import EngineCore
 from splitserve.model.attention import _gather, build_metadata
 from splitserve.model.config import RopeScaling
 from splitserve.model.llama import RMSNorm, Rotary, _rotate_, build_model
+from splitserve.model.loader import ModelSource
 from splitserve.model.quant import QUANTIZATIONS, quantization_supported
 from splitserve.sampling_params import SamplingParams
 from splitserve.tokens import PromptTokens
@@ -88,6 +89,36 @@ def test_decode_mask_is_additive_in_the_query_dtype():
     assert meta.decode_mask[0, 0, 0].tolist() == [0.0] * 6 + [float("-inf")] * 2
 
 
+# -- the rewritten attention on the architectures' less common paths --------------------------
+def _variant(tiny_source, **changes) -> ModelSource:
+    """tiny-random with a changed config; q/k/v biases added when attention_bias is set."""
+    cfg = dataclasses.replace(tiny_source.config, **changes)
+
+    def weights():
+        gen = torch.Generator().manual_seed(3)
+        for name, tensor in tiny_source.weights():
+            yield name, tensor
+            if cfg.attention_bias and name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")):
+                yield name.replace("weight", "bias"), torch.randn(tensor.shape[0], generator=gen) * 0.1
+
+    return ModelSource(cfg, tiny_source.tokenizer, weights)
+
+
+@pytest.mark.parametrize("changes", [
+    {"architecture": "mistral", "sliding_window": 6},
+    {"architecture": "qwen2", "attention_bias": True},
+    {"rope_scaling": RopeScaling(8.0, 1.0, 4.0, 16)},
+], ids=["sliding-window", "qkv-bias", "llama3-rope"])
+def test_engine_greedy_matches_reference_on_variants(tiny_source, changes):
+    source = _variant(tiny_source, **changes)
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(3, 49152, n).astype(np.int32) for n in (3, 17, 30)]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    reference = ReferenceModel(source)
+    want = [reference.greedy(p.tolist(), 10) for p in prompts]
+    assert _greedy(source, None, prompts, params, budget=7) == want   # 7: chunked prefills
+
+
 # -- quantized weights -------------------------------------------------------------------
 # fp16 weights are near-lossless. int8 is lossy by design (FBGEMM quantizes activations to
 # 7 bits per call, see model/quant.py); these bounds hold with margin on tiny-random, whose
@@ -131,10 +162,10 @@ def test_quantized_engine_greedy_starts_like_float32(tiny_source, quant):
         assert [g[0] for g in got] == [w[0] for w in want]
 
 
-def _greedy(source, quant, prompts, params) -> list[list[int]]:
+def _greedy(source, quant, prompts, params, budget=64) -> list[list[int]]:
     engine = EngineCore(EngineConfig(model="tiny-random", dtype="float32", quantization=quant,
                                      seed=0, cache=CacheConfig(4, 128),
-                                     scheduler=SchedulerConfig(64, 8)), source)
+                                     scheduler=SchedulerConfig(budget, 8)), source)
     if quant and engine.runner.model.quantization != quant:   # EngineCore builds it unquantized
         engine.runner.model.quantize(quant)
     assert engine.runner.model.quantization == quant

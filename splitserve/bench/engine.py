@@ -106,13 +106,8 @@ def run(args) -> dict:
     engine = EngineCore(config)
     _quantize(engine, config)
     rng = np.random.default_rng(0)
-    dtype = str(config.torch_dtype).removeprefix("torch.")
-    result = {"model": engine.model_config.name, "dtype_requested": args.dtype, "dtype": dtype,
-              "quantization": args.quantization, "threads": args.threads, **_machine(),
-              "prefill_len": args.prefill_len, "decode_prompt_len": args.decode_prompt_len,
-              "decode_tok_s": {}, "decode_ms_step": {}, "other_cores_busy": {}}
-    print(f"{result['model']} {args.quantization or dtype} weights, dtype {args.dtype} -> {dtype}, "
-          f"{result['torch_threads']} threads, CPU {result['cpu_capability']}")
+    result = _describe(engine, config, args)
+    print(_headline(result))
     tps, other = _measure(lambda: bench_prefill(engine, args.prefill_len, args.repeats, rng))
     result["prefill_tok_s"], result["other_cores_busy"]["prefill"] = tps, other
     print(f"  prefill {args.prefill_len} tokens: {tps:7.1f} tok/s{_load_note(other)}")
@@ -126,6 +121,21 @@ def run(args) -> dict:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
     return result
+
+
+def _describe(engine: EngineCore, config: EngineConfig, args) -> dict:
+    return {"model": engine.model_config.name, "dtype_requested": args.dtype,
+            "dtype": str(config.torch_dtype).removeprefix("torch."),
+            "quantization": args.quantization, "threads": args.threads, **_machine(),
+            "prefill_len": args.prefill_len, "decode_prompt_len": args.decode_prompt_len,
+            "decode_tok_s": {}, "decode_ms_step": {}, "other_cores_busy": {}}
+
+
+def _headline(r: dict) -> str:
+    native = "native" if r["avx512_bf16"] or r["amx"] else "no native"
+    return (f"{r['model']}: {r['quantization'] or r['dtype']} weights, dtype {r['dtype_requested']}"
+            f" -> {r['dtype']}, {r['torch_threads']} threads, CPU {r['cpu_capability']} "
+            f"({native} bfloat16)")
 
 
 def _load_note(other: float | None) -> str:

@@ -58,7 +58,7 @@ def engine(cfg: ReportConfig) -> Section:
         try:
             probe = LoadProbe()
             run_step(cmds[-1], 240 if cfg.quick else 600, cfg.result(f"logs/engine-{name}.log"))
-            results[name] = r = _load(path)
+            results[name] = r = {**_load(path), "background": probe.cores()}
         except STEP_ERRORS as exc:
             rows.append([name, _first_line(exc)] + [""] * 7)
             continue
@@ -68,7 +68,7 @@ def engine(cfg: ReportConfig) -> Section:
                      *(num(d.get(b)) for b in ("1", "8", "32")),
                      " / ".join(num(ms.get(b), 0) for b in ("1", "8", "32")),
                      _verdict(r["prefill_tok_s"], TARGET_PREFILL),
-                     _verdict(d.get("8"), TARGET_DECODE8), num(probe.cores())])
+                     _verdict(d.get("8"), TARGET_DECODE8), num(r["background"])])
     scope = "" if cfg.model is None else " (they are for the bundled model, not this one)"
     body = "\n\n".join([
         f"Machine: {machine_line()}. `splitserve bench engine` times the engine alone, in "
@@ -104,16 +104,24 @@ def _bf16_note(results: dict) -> str:
     fp32, bf16 = results.get("float32"), results.get("bfloat16")
     if not fp32 or not bf16 or not bf16["decode_tok_s"].get("8"):
         return ""
-    decode = fp32["decode_tok_s"]["8"] / bf16["decode_tok_s"]["8"]
-    if decode <= 1:
-        return f"bfloat16 decodes {1 / decode:.1f}× faster than float32 at batch 8 here."
-    why = ("this CPU has AVX2 but neither AVX512-BF16 nor AMX, so PyTorch computes bfloat16 "
-           "matmuls by converting to float32 in software: halving the bytes does not pay "
-           "(`--dtype auto` picks float32 here)" if not machine()["native_bf16"] else
-           "unexpected, as this CPU computes bfloat16 natively")
-    return (f"**bfloat16 is slower than float32 on this CPU**: {decode:.1f}× at decode batch 8 "
-            f"and {fp32['prefill_tok_s'] / bf16['prefill_tok_s']:.1f}× at prefill; {why}. "
-            "(It runs fewer, shorter steps to fit the time budget: see its command.)")
+    slowdown = {"decode at batch 8": fp32["decode_tok_s"]["8"] / bf16["decode_tok_s"]["8"],
+                "prefill": fp32["prefill_tok_s"] / bf16["prefill_tok_s"]}
+    compare = ", ".join(f"{k} {x:.1f}× slower" if x > 1 else f"{k} {1 / x:.1f}× faster"
+                        for k, x in slowdown.items())
+    slower = [k for k, x in slowdown.items() if x > 1]
+    if not slower:
+        text = f"bfloat16 is faster than float32 here ({compare})."
+    else:
+        why = ("this CPU has AVX2 but neither AVX512-BF16 nor AMX, so PyTorch computes "
+               "bfloat16 matmuls by converting to float32 in software: halving the bytes does "
+               "not pay (`--dtype auto` picks float32 here)" if not machine()["native_bf16"]
+               else "unexpected, as this CPU computes bfloat16 natively")
+        text = (f"**bfloat16 is slower than float32 on this CPU** at {' and '.join(slower)} "
+                f"(bfloat16 vs float32: {compare}); {why}. bfloat16 runs fewer, shorter steps "
+                "to fit the time budget (see its command).")
+    noisy = max(fp32["background"], bf16["background"])
+    return text + (f" Other processes kept up to {noisy:.1f} cores busy during these runs, "
+                   "which distorts the comparison." if noisy > 0.3 else "")
 
 
 def _engine_summary(results: dict) -> str:
@@ -145,7 +153,7 @@ def worker(cfg: ReportConfig) -> Section:
             cmds.append(_bench_serve(url, f"worker-c{c}", path, "--workload", "random",
                                      "--input-len", n_in, "--output-len", n_out, "--concurrency",
                                      c, "--num-requests", n, "--duration", duration,
-                                     "--warmup", 1 if cfg.quick else 2))
+                                     "--warmup", 1 if cfg.quick else 2, "--timeout", 180))
             try:
                 probe = LoadProbe(svc)
                 run_step(cmds[-1], duration + 600, cfg.result(f"logs/worker-c{c}.log"))
@@ -178,8 +186,8 @@ def worker(cfg: ReportConfig) -> Section:
 
 
 def _bench_serve(url: str, label: str, path: str, *load) -> list[str]:
-    return tool("bench", "serve", "--url", url, *(str(a) for a in load), "--timeout", "300",
-                "--label", label, "--json", path, "--no-progress")
+    return tool("bench", "serve", "--url", url, *(str(a) for a in load), "--label", label,
+                "--json", path, "--no-progress")
 
 
 def _worker_cmd(cfg: ReportConfig, port: int) -> list[str]:
@@ -214,7 +222,7 @@ def disagg(cfg: ReportConfig) -> Section:
             url, label, path, "--workload", "mixed", "--input-len", n_in, "--output-len", n_out,
             "--long-fraction", frac, "--long-len-min", lo, "--long-len-max", hi,
             "--request-rate", rate, "--num-requests", n, "--duration", duration,
-            "--seed", MIXED_SEED, "--warmup", 1)]
+            "--seed", MIXED_SEED, "--warmup", 1, "--timeout", 300)]
         try:
             with Service(serve, url, cfg.result(f"logs/{label}-server.log"),
                          cfg.start_timeout) as svc:
@@ -287,11 +295,15 @@ def _throughput_note(results: dict, rate: float) -> str:
     if len(results) < 2:
         return ""
     agg, dis = (results[k]["metrics"]["output_throughput"] for k in ("agg-mixed", "disagg-mixed"))
-    return (f"Throughput: both runs are offered the same {rate:g} req/s, so req/s mostly "
+    text = (f"Throughput: both runs are offered the same {rate:g} req/s, so req/s mostly "
             f"follows the offered load; the disaggregated pair delivered {dis / agg:.0%} of the "
-            "aggregated worker's output tok/s. The cost of splitting 2 cores is capacity: each "
-            "stage gets one thread, so a long prompt prefills on one core instead of two (see "
-            "the long TTFT), and the CTX core idles whenever nothing needs prefilling.")
+            "aggregated worker's output tok/s. ")
+    if dis >= agg:
+        return text + ("Splitting cost no throughput in this run: neither target was "
+                       "saturated, and the aggregated worker drained its queue more slowly.")
+    return text + ("The cost of splitting 2 cores is capacity: each stage gets one thread, so "
+                   "a long prompt prefills on one core instead of two (see the long TTFT), "
+                   "and the CTX core idles whenever nothing needs prefilling.")
 
 
 def _stages(result: dict | None, gen: dict | None) -> str:

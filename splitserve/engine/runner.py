@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from splitserve.engine.request import Request
-from splitserve.model.attention import build_metadata
+from splitserve.model.attention import GatherBuffer, build_metadata
 from splitserve.model.config import ModelConfig
 from splitserve.model.llama import LlamaModel
 
@@ -34,6 +34,7 @@ class ModelRunner:
         # (num_blocks, layers, k|v, block_size, kv_heads, head_dim); see model/attention.py
         self.kv_cache = torch.zeros(num_blocks, cfg.num_layers, 2, block_size, cfg.num_kv_heads,
                                     cfg.head_dim, dtype=dtype)
+        self.gather_buffer = GatherBuffer(dtype)
 
     @staticmethod
     def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -55,7 +56,7 @@ class ModelRunner:
             else:
                 prefills.append((req.block_ids, start, n))
         meta = build_metadata(self.block_size, decodes, prefills, self.cfg.sliding_window,
-                              self.kv_cache.dtype)
+                              self.kv_cache.dtype, self.gather_buffer)
         input_ids = torch.from_numpy(np.concatenate(ids).astype(np.int64))
         hidden = self.model(input_ids, torch.from_numpy(np.concatenate(positions)), self.kv_cache, meta)
         return self._logits(scheduled, hidden)

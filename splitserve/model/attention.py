@@ -11,6 +11,7 @@ chunk gets its own call, causal within the chunk and over all earlier context.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,21 @@ class PrefillChunk:
     mask: torch.Tensor | None        # (1, 1, length, start + length) additive; None: causal, no past
 
 
+class GatherBuffer:
+    """Grow-only scratch memory for a step's per-layer K/V gathers. Reused across layers and
+    steps: a fresh multi-megabyte tensor per gather is memory the allocator hands back to
+    the kernel on free and page-faults in again on the next layer."""
+
+    def __init__(self, dtype: torch.dtype):
+        self._buf = torch.empty(0, dtype=dtype)
+
+    def take(self, *shape: int) -> torch.Tensor:
+        n = math.prod(shape)
+        if self._buf.numel() < n:
+            self._buf = torch.empty(n, dtype=self._buf.dtype)
+        return self._buf[:n].view(shape)
+
+
 @dataclass
 class AttentionMetadata:
     slot_blocks: torch.Tensor        # (T,) long: block id each new token's KV goes to
@@ -34,6 +50,7 @@ class AttentionMetadata:
     decode_block_table: torch.Tensor | None   # (B_d, n_blocks) long
     decode_mask: torch.Tensor | None          # (B_d, 1, 1, n_blocks * block_size) additive
     prefills: list[PrefillChunk]
+    scratch: GatherBuffer | None = None       # gathers go here; one layer's at a time
 
 
 def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -42,7 +59,8 @@ def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def build_metadata(block_size: int, decode_seqs, prefill_seqs, sliding_window: int | None,
-                   dtype: torch.dtype = torch.float32) -> AttentionMetadata:
+                   dtype: torch.dtype = torch.float32,
+                   scratch: GatherBuffer | None = None) -> AttentionMetadata:
     """decode_seqs: [(block_ids, position)], prefill_seqs: [(block_ids, start, length)].
     Positions are 0-based; a decode's query sits at `position`, its context is 0..position.
     Masks are additive (0 / -inf) in `dtype`, the dtype of the queries."""
@@ -79,21 +97,22 @@ def build_metadata(block_size: int, decode_seqs, prefill_seqs, sliding_window: i
         offset += length
     return AttentionMetadata(torch.tensor(blocks, dtype=torch.long),
                              torch.tensor(offsets, dtype=torch.long), len(decode_seqs),
-                             decode_table, decode_mask, chunks)
+                             decode_table, decode_mask, chunks, scratch)
 
 
-def _gather(kv_cache: torch.Tensor, layer: int, table: torch.Tensor, length: int):
-    """table (B, n) -> keys, values (B, KVH, length, D).
+def _gather(kv_cache: torch.Tensor, layer: int, table: torch.Tensor, length: int,
+            scratch: GatherBuffer | None = None):
+    """table (B, n) -> keys, values (B, KVH, length, D), views of `scratch` if given.
 
     index_select over whole blocks copies block_size * KVH * D contiguous values at a time;
     advanced indexing copies element by element and is 3-4x slower."""
     b, n = table.shape
-    flat = table.view(-1)
-    out = []
+    bs, kvh, d = kv_cache.shape[-3:]
+    out = scratch.take(2, b * n, bs, kvh, d) if scratch else kv_cache.new_empty(2, b * n, bs, kvh, d)
     for kv in (0, 1):
-        x = kv_cache[:, layer, kv].index_select(0, flat)                # (B * n, bs, KVH, D)
-        out.append(x.view(b, -1, *x.shape[2:])[:, :length].transpose(1, 2))
-    return out
+        torch.index_select(kv_cache[:, layer, kv], 0, table.view(-1), out=out[kv])
+    x = out.view(2, b, n * bs, kvh, d)[:, :, :length].transpose(2, 3)      # (2, B, KVH, L, D)
+    return x[0], x[1]
 
 
 def paged_attention(q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor,
@@ -103,10 +122,14 @@ def paged_attention(q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor,
     nd = meta.num_decodes
     outs = []
     if nd:
-        keys, vals = _gather(kv_cache, layer, meta.decode_block_table, meta.decode_mask.shape[-1])
-        o = F.scaled_dot_product_attention(q[:nd].unsqueeze(2), keys, vals,   # (B, H, 1, D)
-                                           attn_mask=meta.decode_mask, scale=scale, enable_gqa=True)
-        outs.append(o.squeeze(2))
+        keys, vals = _gather(kv_cache, layer, meta.decode_block_table, meta.decode_mask.shape[-1],
+                             meta.scratch)
+        # The query heads sharing a KV head go in as that head's query rows (their mask is the
+        # same), so SDPA reads each gathered KV head once instead of once per query head.
+        b, kvh, _, d = keys.shape
+        o = F.scaled_dot_product_attention(q[:nd].view(b, kvh, -1, d), keys, vals,  # (B, KVH, G, D)
+                                           attn_mask=meta.decode_mask, scale=scale)
+        outs.append(o.reshape(nd, -1, d))
     for c in meta.prefills:
         s = slice(c.token_offset, c.token_offset + c.length)
         qc = q[s].transpose(0, 1).unsqueeze(0)                                 # (1, H, L, D)
@@ -115,7 +138,7 @@ def paged_attention(q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor,
             o = F.scaled_dot_product_attention(qc, keys, vals, is_causal=True, scale=scale,
                                                enable_gqa=True)
         else:
-            keys, vals = _gather(kv_cache, layer, c.block_table, c.start + c.length)
+            keys, vals = _gather(kv_cache, layer, c.block_table, c.start + c.length, meta.scratch)
             o = F.scaled_dot_product_attention(qc, keys, vals, attn_mask=c.mask, scale=scale,
                                                enable_gqa=True)
         outs.append(o.squeeze(0).transpose(0, 1))
