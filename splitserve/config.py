@@ -67,6 +67,7 @@ class EngineConfig:
     model: str | None = None               # None: the bundled SmolLM2-135M-Instruct
     dtype: str = "auto"                    # "auto": see auto_dtype()
     quantization: str | None = None        # "fp16" | "int8" weights; see model/quant.py
+    pack_weights: bool = True              # oneDNN blocked float weights; see model/packed.py
     max_model_len: int | None = None       # None: the model's context length
     num_threads: int | None = None         # torch intra-op threads; None: leave as is
     seed: int | None = None                # seeds the sampler for requests without a seed

@@ -8,6 +8,7 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from reference_model import ReferenceModel, rms_norm, rope_cos_sin, rotate_half
 from splitserve.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -16,6 +17,7 @@ from splitserve.model.attention import _gather, build_metadata
 from splitserve.model.config import RopeScaling
 from splitserve.model.llama import RMSNorm, Rotary, _rotate_, build_model
 from splitserve.model.loader import ModelSource
+from splitserve.model.packed import PackedLinear, packing_supported
 from splitserve.model.quant import QUANTIZATIONS, quantization_supported
 from splitserve.sampling_params import SamplingParams
 from splitserve.tokens import PromptTokens
@@ -46,7 +48,7 @@ def test_unknown_quantization_is_rejected():
 
 
 # -- RMSNorm, RoPE, gathers against the naive forms -----------------------------------------
-@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.bfloat16, 0)])
 def test_rms_norm_matches_reference(dtype, tol):
     gen = torch.Generator().manual_seed(0)
     x = (torch.randn(7, 64, generator=gen) * 3).to(dtype)
@@ -162,13 +164,40 @@ def test_quantized_engine_greedy_starts_like_float32(tiny_source, quant):
         assert [g[0] for g in got] == [w[0] for w in want]
 
 
-def _greedy(source, quant, prompts, params, budget=64) -> list[list[int]]:
+# -- packed (oneDNN blocked) weights -----------------------------------------------------
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 1.6e-2)])
+@pytest.mark.parametrize("rows", [1, 8, 100])
+def test_packed_linear_equals_linear(dtype, tol, rows):
+    if not packing_supported(dtype):
+        pytest.skip(f"oneDNN cannot pack {dtype} weights on this CPU")
+    gen = torch.Generator().manual_seed(rows)
+    w, b = torch.randn(96, 64, generator=gen).to(dtype), torch.randn(96, generator=gen).to(dtype)
+    x = torch.randn(rows, 64, generator=gen).to(dtype)
+    with torch.inference_mode():
+        for bias in (None, b):
+            torch.testing.assert_close(PackedLinear(w, bias)(x), F.linear(x, w, bias),
+                                       atol=tol, rtol=tol)
+
+
+def test_engine_packs_float_weights_and_greedy_is_unchanged(tiny_source):
+    if not packing_supported(torch.float32):
+        pytest.skip("oneDNN cannot pack float32 weights here")
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(3, 49152, n).astype(np.int32) for n in (5, 19, 33)]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    plain = _greedy(tiny_source, None, prompts, params, pack=False)
+    packed = _greedy(tiny_source, None, prompts, params, pack=True)
+    assert packed == plain
+
+
+def _greedy(source, quant, prompts, params, budget=64, pack=True) -> list[list[int]]:
     engine = EngineCore(EngineConfig(model="tiny-random", dtype="float32", quantization=quant,
-                                     seed=0, cache=CacheConfig(4, 128),
+                                     pack_weights=pack, seed=0, cache=CacheConfig(4, 128),
                                      scheduler=SchedulerConfig(budget, 8)), source)
-    if quant and engine.runner.model.quantization != quant:   # EngineCore builds it unquantized
-        engine.runner.model.quantize(quant)
-    assert engine.runner.model.quantization == quant
+    model = engine.runner.model
+    assert model.quantization == quant
+    assert model.packed == (pack and quant is None)
+    assert isinstance(model.lm_head, PackedLinear) == model.packed
     for i, p in enumerate(prompts):
         engine.add_request(str(i), PromptTokens(p), params)
     tokens = {str(i): [] for i in range(len(prompts))}

@@ -90,21 +90,14 @@ def _machine() -> dict:
             "processor": platform.processor() or platform.machine()}
 
 
-def _quantize(engine: EngineCore, config: EngineConfig) -> None:
-    # The model is built inside EngineCore; quantize here if it did not already.
-    model = engine.runner.model
-    if config.quantization and model.quantization != config.quantization:
-        model.quantize(config.quantization)
-
-
 def run(args) -> dict:
     config = EngineConfig(model=args.model, dtype=args.dtype, quantization=args.quantization,
+                          pack_weights=not args.no_pack_weights,
                           num_threads=args.threads, seed=0,
                           cache=CacheConfig(enable_prefix_caching=False),
                           scheduler=SchedulerConfig(max_num_batched_tokens=args.prefill_len,
                                                     max_num_seqs=max(args.batch_sizes)))
     engine = EngineCore(config)
-    _quantize(engine, config)
     rng = np.random.default_rng(0)
     result = _describe(engine, config, args)
     print(_headline(result))
@@ -126,14 +119,16 @@ def run(args) -> dict:
 def _describe(engine: EngineCore, config: EngineConfig, args) -> dict:
     return {"model": engine.model_config.name, "dtype_requested": args.dtype,
             "dtype": str(config.torch_dtype).removeprefix("torch."),
-            "quantization": args.quantization, "threads": args.threads, **_machine(),
+            "quantization": args.quantization, "packed_weights": engine.runner.model.packed,
+            "threads": args.threads, **_machine(),
             "prefill_len": args.prefill_len, "decode_prompt_len": args.decode_prompt_len,
             "decode_tok_s": {}, "decode_ms_step": {}, "other_cores_busy": {}}
 
 
 def _headline(r: dict) -> str:
     native = "native" if r["avx512_bf16"] or r["amx"] else "no native"
-    return (f"{r['model']}: {r['quantization'] or r['dtype']} weights, dtype {r['dtype_requested']}"
+    layout = ", packed" if r["packed_weights"] else ""
+    return (f"{r['model']}: {r['quantization'] or r['dtype']}{layout} weights, dtype {r['dtype_requested']}"
             f" -> {r['dtype']}, {r['torch_threads']} threads, CPU {r['cpu_capability']} "
             f"({native} bfloat16)")
 
@@ -148,6 +143,9 @@ def add_arguments(p) -> None:
                    help="auto: bfloat16 if the CPU computes it natively, else float32")
     p.add_argument("--quantization", default=None, choices=["fp16", "int8"],
                    help="fp16 or int8 (per output channel) weights; see splitserve/model/quant.py")
+    p.add_argument("--no-pack-weights", action="store_true",
+                   help="plain row-major float weights instead of oneDNN's packed layout "
+                        "(see splitserve/model/packed.py), to measure the difference")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--prefill-len", type=int, default=512)
     p.add_argument("--repeats", type=int, default=3)

@@ -40,7 +40,8 @@ class EngineCore:
         self.source = source or load_model_source(config.model)
         cfg = self.model_config = self.source.config
         self.tokenizer = self.source.tokenizer
-        model = build_model(cfg, self.source.weights(), config.torch_dtype)
+        model = build_model(cfg, self.source.weights(), config.torch_dtype, config.quantization,
+                            config.pack_weights)
         block_size = config.cache.block_size
         num_blocks = config.cache.num_blocks or max(
             config.cache.memory_bytes // ModelRunner.kv_block_bytes(cfg, block_size, config.torch_dtype), 2)

@@ -18,6 +18,8 @@ import warnings
 import torch
 from torch import nn
 
+from splitserve.model.linear import replace_linears
+
 QUANTIZATIONS = ("int8", "fp16")
 
 # PyTorch 2.13 deprecates creating qint8 tensors; FBGEMM's int8 prepack still takes one. We
@@ -82,11 +84,4 @@ def quantized_linear(method: str, weight: torch.Tensor, bias: torch.Tensor | Non
 
 def quantize_linears(module: nn.Module, method: str) -> int:
     """Replace every nn.Linear under `module` by its quantized form; returns how many."""
-    count = 0
-    for name, child in list(module.named_children()):
-        if isinstance(child, nn.Linear):
-            setattr(module, name, quantized_linear(method, child.weight, child.bias))
-            count += 1
-        else:
-            count += quantize_linears(child, method)
-    return count
+    return replace_linears(module, lambda w, b: quantized_linear(method, w, b))
