@@ -4,56 +4,29 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
-import sys
-import time
 import urllib.error
 import urllib.request
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from splitserve.bench.server_process import ServerProcess, free_port
 
 
-class Worker:
-    """`splitserve serve ...` in a subprocess; stopped (and waited for) on close()."""
+class Worker(ServerProcess):
+    """`splitserve serve ...` (one torch thread) in a subprocess, healthy on return;
+    stopped (and waited for) on close()."""
 
     def __init__(self, *args: str, timeout: float = 180.0):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        env = dict(os.environ, SPLITSERVE_NUM_THREADS="1")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "splitserve.cli", "--log-level", "WARNING", "serve",
-             "--port", str(self.port), *args], env=env)
+        port = free_port()
+        super().__init__(["serve", "--port", str(port), *args], port, threads=1)
         wait_healthy(self, timeout)
 
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
-
-def wait_healthy(service, timeout: float) -> None:
-    """Until service.url answers /health with 200; closes the service on failure."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if service.proc.poll() is not None:
-            raise RuntimeError(f"{service.url} exited with {service.proc.returncode}")
-        try:
-            if get(service.url + "/health")[0] == 200:
-                return
-        except OSError:
-            pass
-        time.sleep(0.2)
-    service.close()
-    raise TimeoutError(f"{service.url} did not become healthy")
+def wait_healthy(service: ServerProcess, timeout: float) -> None:
+    """service.wait_healthy(timeout); closes the service on failure."""
+    try:
+        service.wait_healthy(timeout)
+    except BaseException:
+        service.close()
+        raise
 
 
 def get(url: str) -> tuple[int, bytes]:
@@ -99,24 +72,20 @@ def metrics(url: str) -> dict[str, float]:
     return out
 
 
-class Orchestrator:
-    """`splitserve orchestrator -c cluster.yaml` in a subprocess."""
+class Orchestrator(ServerProcess):
+    """`splitserve orchestrator -c cluster.yaml` in a subprocess, healthy on return."""
 
     def __init__(self, tmp_path, ctx_urls, gen_urls, ctx_router="round_robin",
                  gen_router="least_loaded", timeout: float = 60.0):
         import yaml
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        path = tmp_path / f"cluster-{self.port}.yaml"
+        port = free_port()
+        path = tmp_path / f"cluster-{port}.yaml"
         path.write_text(yaml.safe_dump({
-            "port": self.port, "health_check_interval": 0.5,
+            "port": port, "health_check_interval": 0.5,
             "context_servers": {"urls": list(ctx_urls), "router": ctx_router},
             "generation_servers": {"urls": list(gen_urls), "router": gen_router}}))
-        self.proc = subprocess.Popen([sys.executable, "-m", "splitserve.cli", "--log-level",
-                                      "WARNING", "orchestrator", "-c", str(path)])
+        super().__init__(["orchestrator", "-c", str(path)], port)
         wait_healthy(self, timeout)
-
-    close = Worker.close
 
 
 def descendants(pid: int) -> set[int]:

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from server_utils import Worker, get, post
-from splitserve.bench import frontend
+from splitserve.bench import frontend, frontend_client, frontend_report, frontend_worker
 from splitserve.cli import main
 
 GEN = ("--model", "tiny-random", "--dtype", "float32", "--role", "gen", "--num-blocks", "2048")
@@ -59,9 +59,9 @@ def test_refuses_a_worker_that_really_pulls_kv(tmp_path):
         assert "bench_skip_kv_pull" not in json.loads(health)
         # Why it must refuse: the benchmark's KV handle points nowhere, so the pull fails
         # (cleanly: an error answer, and the worker keeps serving).
-        layout, vocab, _ = frontend.tiny_layout(16)
-        target = frontend.Target(worker.url, "tiny-random", layout, vocab)
-        body = b"one".join(frontend.body_parts(target, "metadata", 64))
+        layout, vocab, _ = frontend_worker.tiny_layout(16)
+        target = frontend_client.Target(worker.url, "tiny-random", layout, vocab)
+        body = b"one".join(frontend_client.body_parts(target, "metadata", 64))
         status, answer = post(worker.url + "/v1/completions", body)
         assert status != 200 and "KV transfer" in answer["error"]["message"]
         assert get(worker.url + "/health")[0] == 200
@@ -78,7 +78,7 @@ def test_targets_use_the_grid_values_nearest_to_the_issue():
     runs = [row("list", 1024, 8, 100), row("b64", 1024, 8, 10), row("metadata", 1024, 8, 4),
             row("list", 32768, 8, 1000), row("b64", 32768, 8, 300),
             row("metadata", 32768, 8, 5, p99_ms=12.0)]
-    b64, meta, flat, p99 = frontend.evaluate_targets(runs)
+    b64, meta, flat, p99 = frontend_report.evaluate_targets(runs)
     assert (b64["value"], b64["pass"]) == (0.3, False) and "32768" in b64["name"]
     assert (meta["value"], meta["pass"]) == (0.005, True)
     assert (flat["value"], flat["pass"]) == (1.25, True) and "32768 / ISL 1024" in flat["name"]

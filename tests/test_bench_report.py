@@ -5,7 +5,7 @@ with every section, numbers in its tables, its plots on disk, and no server left
 import os
 import re
 
-from splitserve.bench import report_sections
+from splitserve.bench import report
 from splitserve.cli import main
 
 NUMBER = r"[\d,]+\.?\d*"
@@ -33,7 +33,7 @@ def test_report_on_the_tiny_model(tmp_path):
                  "--frontend-args", "--isl 64 --concurrency 2 --requests 8 --duration 5"]) == 0
     page = out.read_text()
 
-    titles = [title for title, _ in report_sections.SECTIONS] + ["5. How to regenerate"]
+    titles = [title for title, _ in report.SECTIONS] + ["5. How to regenerate"]
     assert re.findall(r"^## (.+)$", page, re.M) == titles
     assert "FAILED" not in page and "failed:" not in page and "missing" not in page
     assert re.search(r"\*\*Summary\.\*\* .*prefills .* tok/s", page)

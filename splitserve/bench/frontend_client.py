@@ -1,0 +1,185 @@
+"""The load generator of `splitserve bench frontend`: pre-built generation_only bodies sent
+at fixed concurrency over warm keep-alive connections, from a process of its own."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import os
+import time
+
+import aiohttp
+import msgspec
+import numpy as np
+
+from splitserve.bench.frontend_config import BenchError
+
+FIRST_TOKEN = 42                       # first_gen_tokens: any id of the vocabulary
+_MARK = b"@CTX_REQUEST_ID@"            # where each request's unique ctx_request_id goes
+
+
+class Target(msgspec.Struct, frozen=True):
+    """What the client needs to know about the worker to build valid requests."""
+    url: str
+    model: str
+    layout: str            # kv.base.layout_fingerprint() of the worker's engine
+    vocab_size: int
+
+
+class RunSpec(msgspec.Struct, frozen=True):
+    target: Target
+    mode: str
+    isl: int
+    concurrency: int
+    num_requests: int
+    duration: float
+    timeout: float
+
+
+def body_parts(target: Target, mode: str, isl: int) -> list[bytes]:
+    """A generation_only /v1/completions body split around its ctx_request_id (in the
+    params and in the KV handle), so each request gets a unique id by a join."""
+    ids = np.random.default_rng(isl).integers(0, target.vocab_size, isl, dtype=np.int32)
+    rid = _MARK.decode()
+    dp = {"request_type": "generation_only", "ctx_request_id": rid,
+          "first_gen_tokens": [FIRST_TOKEN], "prompt_len": isl,
+          "kv_handle": {"backend": "tcp", "endpoint": "tcp://127.0.0.1:1", "ctx_request_id": rid,
+                        "layout": target.layout, "num_tokens": isl}}
+    if mode == "list":
+        dp["prompt_token_ids"] = ids.tolist()
+    elif mode == "b64":
+        import pybase64
+        dp["prompt_token_ids_b64"] = pybase64.b64encode(ids.astype("<i4").tobytes()).decode()
+    body = {"model": target.model, "prompt": "x", "max_tokens": 1, "temperature": 0.0,
+            "stream": False, "disaggregated_params": dp}
+    return msgspec.json.encode(body).split(_MARK)
+
+
+class _Usage(msgspec.Struct):
+    prompt_tokens: int
+
+
+class _Answer(msgspec.Struct):
+    usage: _Usage
+
+
+_ANSWER = msgspec.json.Decoder(_Answer)
+
+
+async def _open_connections(http: aiohttp.ClientSession, url: str, n: int) -> None:
+    """n keep-alive connections, opened by concurrent GET /health before the measurement."""
+    async def one():
+        async with http.get(url + "/health") as resp:
+            await resp.read()
+    await asyncio.gather(*(one() for _ in range(n)))
+
+
+async def drive(spec: RunSpec, parts: list[bytes]) -> dict:
+    """One run: warm connections, /metrics, the requests at fixed concurrency, /metrics."""
+    url = spec.target.url.rstrip("/")
+    connector = aiohttp.TCPConnector(limit=spec.concurrency, limit_per_host=spec.concurrency)
+    timeout = aiohttp.ClientTimeout(total=spec.timeout)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
+        await _open_connections(http, url, spec.concurrency)
+        before = await _scrape(http, url)
+        latencies, failures = [], []
+        todo = iter(range(spec.num_requests))    # shared: each index is taken once
+        deadline = time.monotonic() + spec.duration
+
+        async def sender():
+            for i in todo:
+                if time.monotonic() > deadline:
+                    return
+                rid = b"bench-%d-%d" % (os.getpid(), i)
+                await _send(http, url, rid.join(parts), spec.isl, latencies, failures)
+        start, cpu = time.perf_counter(), time.process_time()
+        await asyncio.gather(*(sender() for _ in range(spec.concurrency)))
+        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
+        after = await _scrape(http, url)
+    return {"latencies_s": latencies, "failures": failures[:5], "num_failed": len(failures),
+            "duration_s": elapsed, "client_cpu_s": cpu, "body_bytes": len(b"bench-0-0".join(parts)),
+            "metrics_before": before, "metrics_after": after}
+
+
+async def _send(http, url: str, body: bytes, isl: int, latencies: list, failures: list) -> None:
+    t0 = time.perf_counter()
+    headers = {"Content-Type": "application/json", "X-Sent-At": repr(time.time())}
+    try:
+        async with http.post(url + "/v1/completions", data=body, headers=headers) as resp:
+            data = await resp.read()
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        failures.append(f"{type(exc).__name__}: {exc}")
+        return
+    elapsed = time.perf_counter() - t0
+    if resp.status != 200:
+        failures.append(f"HTTP {resp.status}: {data[:300].decode(errors='replace')}")
+        return
+    try:
+        got = _ANSWER.decode(data).usage.prompt_tokens
+    except msgspec.DecodeError as exc:
+        got = f"an unreadable answer ({exc})"
+    if got != isl:
+        failures.append(f"usage.prompt_tokens is {got}, not the relayed {isl}")
+        return
+    latencies.append(elapsed)
+
+
+async def _scrape(http: aiohttp.ClientSession, url: str) -> str:
+    async with http.get(url + "/metrics") as resp:
+        resp.raise_for_status()
+        return await resp.text()
+
+
+def _client_main(conn) -> None:
+    """The client process: RunSpecs in, results out (msgpack over the pipe) until b""."""
+    try:
+        import uvloop
+        factory = uvloop.new_event_loop
+    except ImportError:
+        factory = None
+    cached: dict[tuple[str, int], list[bytes]] = {}   # the bodies of one ISL at a time
+    with asyncio.Runner(loop_factory=factory) as runner:
+        while (raw := conn.recv_bytes()) != b"":
+            spec = msgspec.msgpack.decode(raw, type=RunSpec)
+            try:
+                key = (spec.mode, spec.isl)
+                if key not in cached:
+                    cached = {k: v for k, v in cached.items() if k[1] == spec.isl}
+                    cached[key] = body_parts(spec.target, spec.mode, spec.isl)
+                out = runner.run(drive(spec, cached[key]))
+            except Exception as exc:  # reported to the parent, which stops the benchmark
+                out = {"error": f"{type(exc).__name__}: {exc}"}
+            conn.send_bytes(msgspec.msgpack.encode(out))
+
+
+class ClientProcess:
+    """The load generator in its own process (spawned), so its CPU is apart from the
+    benchmark's parent; the machine's cores are shared by client, front-end and engine."""
+
+    def __init__(self):
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_client_main, args=(child,), name="bench-client", daemon=True)
+        self.proc.start()
+        child.close()
+
+    def run(self, spec: RunSpec) -> dict:
+        self.conn.send_bytes(msgspec.msgpack.encode(spec))
+        try:
+            out = msgspec.msgpack.decode(self.conn.recv_bytes())
+        except EOFError:
+            raise BenchError(f"the client process died (exit code {self.proc.exitcode})") from None
+        if "error" in out:
+            raise BenchError(f"the client failed: {out['error']}")
+        return out
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.conn.send_bytes(b"")
+            except OSError:
+                pass
+            self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.terminate()
+            self.proc.join()

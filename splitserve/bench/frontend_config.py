@@ -1,0 +1,45 @@
+"""What `splitserve bench frontend` runs: the grid of token relay modes, prompt lengths and
+concurrencies, and the bounds of every run (frontend.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MODES = ("list", "b64", "metadata")
+DEFAULT_ISL = (1024, 8192, 32768, 131072)
+DEFAULT_CONCURRENCY = (64, 256, 1024)
+QUICK_ISL, QUICK_CONCURRENCY = (1024, 32768), (64, 256)
+
+
+class BenchError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class FrontendBenchConfig:
+    modes: tuple[str, ...] = MODES
+    isl: tuple[int, ...] = DEFAULT_ISL
+    concurrency: tuple[int, ...] = DEFAULT_CONCURRENCY
+    requests: int | None = None        # per run; None: max(2 * concurrency, 200)
+    duration: float = 20.0             # seconds per run at most; requests in flight finish
+    url: str | None = None             # an existing worker; None: start one
+    block_size: int = 16
+    kv_cache_gib: float = 2.0          # the started worker's KV pool
+    timeout: float = 120.0             # seconds per request
+    progress: bool = True
+
+    def __post_init__(self):
+        bad = [m for m in self.modes if m not in MODES]
+        _require(self.modes and not bad, f"--modes takes {', '.join(MODES)}; got {bad or 'none'}")
+        _require(self.isl and min(self.isl) >= 1, "--isl values must be >= 1")
+        _require(self.concurrency and min(self.concurrency) >= 1, "--concurrency values must be >= 1")
+        _require(self.requests is None or self.requests >= 1, "--requests must be >= 1")
+        _require(self.duration > 0 and self.timeout > 0, "--duration and --timeout must be > 0")
+
+    def num_requests(self, concurrency: int) -> int:
+        return self.requests or max(2 * concurrency, 200)
+
+
+def _require(ok, message: str) -> None:
+    if not ok:
+        raise ValueError(message)

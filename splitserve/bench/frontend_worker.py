@@ -1,0 +1,85 @@
+"""The GEN worker `splitserve bench frontend` measures: one it starts with
+--bench-skip-kv-pull, or one given with --url, which must report that flag."""
+
+from __future__ import annotations
+
+import json
+import os
+import urllib.request
+
+from splitserve.bench.frontend_config import BenchError, FrontendBenchConfig
+from splitserve.bench.server_process import ServerProcess, free_port
+
+
+def tiny_layout(block_size: int) -> tuple[str, int, int]:
+    """(layout fingerprint, vocab size, KV bytes per block) of tiny-random in float32."""
+    import torch
+
+    from splitserve.kv.base import layout_fingerprint
+    from splitserve.model.loader import load_model_source
+    cfg = load_model_source("tiny-random").config
+    return (layout_fingerprint(cfg, torch.float32, block_size), cfg.vocab_size,
+            block_size * cfg.kv_bytes_per_token(4))
+
+
+class BenchWorker(ServerProcess):
+    """`splitserve serve` as a tiny-random GEN worker with --bench-skip-kv-pull in a
+    subprocess; `args` are its serve arguments, as the result records them."""
+
+    def __init__(self, cfg: FrontendBenchConfig, block_bytes: int):
+        port = free_port()
+        # 2 GiB by default: 262144 blocks, 32 prompts of 128k. With max_tokens 1 a request
+        # holds its blocks from the engine step that allocates them to the next, which frees
+        # them, so the pool bounds how many are admitted per step, not per second: the
+        # engine's bookkeeping costs about 1 us per block either way (7 ms per 128k prompt
+        # at block size 16). Waits for blocks show in the queue column.
+        num_blocks = int(cfg.kv_cache_gib * (1 << 30)) // block_bytes
+        # No prefix caching: hashing a list/b64 prompt's blocks is engine work that would
+        # compete with the front-end for the same cores and blur the comparison.
+        self.args = ["--model", "tiny-random", "--dtype", "float32", "--role", "gen",
+                     "--bench-skip-kv-pull", "--port", str(port), "--block-size",
+                     str(cfg.block_size), "--num-blocks", str(num_blocks), "--max-num-seqs",
+                     str(max(cfg.concurrency)), "--no-prefix-caching"]
+        super().__init__(["serve", *self.args], port, threads=1)
+
+    def wait_healthy(self, timeout: float = 180.0) -> None:
+        try:
+            super().wait_healthy(timeout)
+        except (RuntimeError, TimeoutError) as exc:
+            raise BenchError(f"the worker {exc}") from None
+
+    def engine_cpu_seconds(self) -> float | None:
+        """CPU time of the worker's child processes (its engine core), from /proc."""
+        try:
+            with open(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children") as f:
+                return sum(_cpu_seconds(int(pid)) for pid in f.read().split())
+        except OSError:
+            return None
+
+
+def _cpu_seconds(pid: int) -> float:
+    """utime + stime of a process (all its threads) from /proc/<pid>/stat."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()   # the name may hold spaces
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def get_json(url: str) -> dict:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return json.loads(r.read())
+    except (OSError, ValueError) as exc:
+        raise BenchError(f"GET {url} failed: {exc}") from None
+
+
+def check_skip_flag(url: str) -> dict:
+    """/health of a worker we did not start; refuse it unless it skips KV pulls."""
+    health = get_json(url.rstrip("/") + "/health")
+    if health.get("bench_skip_kv_pull") is not True:
+        raise BenchError(
+            f"refusing {url}: its /health does not report bench_skip_kv_pull: true. The "
+            "benchmark's generation_only requests carry a KV handle that points nowhere "
+            "(tcp://127.0.0.1:1), so a worker that really pulls KV fails every one of them; "
+            "start it with `splitserve serve ... --bench-skip-kv-pull`, or leave out --url and "
+            "let this command start one")
+    return health

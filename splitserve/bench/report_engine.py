@@ -1,0 +1,102 @@
+"""Section 1 of `splitserve bench report`: the engine alone (`bench engine`), prefill and
+decode throughput per dtype against the issue's targets."""
+
+from __future__ import annotations
+
+from splitserve.bench.report_config import ReportConfig
+from splitserve.bench.report_machine import BACKGROUND, LoadProbe, machine, machine_line
+from splitserve.bench.report_markdown import Section, commands, failed_cell, num, table
+from splitserve.bench.report_steps import STEP_ERRORS, load_json, run_inprocess, run_step, tool
+
+TARGET_PREFILL, TARGET_DECODE8 = 1500.0, 260.0
+ENGINE = "1. Engine: prefill and decode throughput"
+
+
+def engine(cfg: ReportConfig) -> Section:
+    configs = [("float32", ["--dtype", "float32"]), ("bfloat16", ["--dtype", "bfloat16"])]
+    if "int8" in run_inprocess(tool("bench", "engine", "--help")).partition("--quantization")[2]:
+        configs.append(("int8", ["--quantization", "int8"]))
+    rows, cmds, results = [], [], {}
+    for name, args in configs:
+        path = cfg.result(f"engine-{name}.json")
+        cmds.append(tool("bench", "engine", *cfg.model_args, *args, *_engine_load(cfg, name),
+                         "--json", path))
+        try:
+            probe = LoadProbe()
+            run_step(cmds[-1], 240 if cfg.quick else 600, cfg.result(f"logs/engine-{name}.log"))
+            results[name] = r = {**load_json(path), "background": probe.cores()}
+        except STEP_ERRORS as exc:
+            rows.append([name, failed_cell(exc)] + [""] * 7)
+            continue
+        d, ms = r["decode_tok_s"], r["decode_ms_step"]
+        rows.append([f"{name} ({r['dtype']} compute)",
+                     f"{num(r['prefill_tok_s'])} ({r['prefill_len']} tokens)",
+                     *(num(d.get(b)) for b in ("1", "8", "32")),
+                     " / ".join(num(ms.get(b), 0) for b in ("1", "8", "32")),
+                     _verdict(r["prefill_tok_s"], TARGET_PREFILL),
+                     _verdict(d.get("8"), TARGET_DECODE8), num(r["background"])])
+    scope = "" if cfg.model is None else " (they are for the bundled model, not this one)"
+    body = "\n\n".join([
+        f"Machine: {machine_line()}. `splitserve bench engine` times the engine alone, in "
+        "one process with torch's default threads (all cores), no HTTP: prefill is one prompt "
+        f"at a time; decode tok/s is the batch size over the median step time; {BACKGROUND}.",
+        table(["configuration", "prefill tok/s", "decode tok/s b=1", "b=8", "b=32",
+               "ms/step b=1 / 8 / 32", "prefill ≥ 1,500", "decode b=8 ≥ 260",
+               "background (cores)"], rows),
+        "Targets from the issue, which is what a widely used engine reaches with the same "
+        f"model on this machine: decode at batch 8 ≥ 260 tok/s, prefill ≥ 1,500 tok/s{scope}.",
+        _bf16_note(results), commands(cmds)])
+    return Section(ENGINE, body, _engine_summary(results))
+
+
+def _verdict(value, target: float) -> str:
+    return "–" if value is None else ("**PASS**" if value >= target else "FAIL")
+
+
+def _engine_load(cfg: ReportConfig, name: str) -> list[str]:
+    """Bounded settings: bfloat16 without native support is ~10x slower, so fewer steps."""
+    slow = name == "bfloat16" and not machine()["native_bf16"]
+    if slow and cfg.quick:
+        return ["--prefill-len", "64", "--repeats", "1", "--decode-steps", "2",
+                "--decode-prompt-len", "8", "--batch-sizes", "1,8"]
+    if slow or cfg.quick:
+        return ["--prefill-len", "128", "--repeats", "1", "--decode-steps", "4",
+                "--decode-prompt-len", "16", "--batch-sizes", "1,8,32"]
+    return ["--prefill-len", "512", "--repeats", "2", "--decode-steps", "8",
+            "--decode-prompt-len", "32", "--batch-sizes", "1,8,32"]
+
+
+def _bf16_note(results: dict) -> str:
+    fp32, bf16 = results.get("float32"), results.get("bfloat16")
+    if not fp32 or not bf16 or not bf16["decode_tok_s"].get("8"):
+        return ""
+    slowdown = {"decode at batch 8": fp32["decode_tok_s"]["8"] / bf16["decode_tok_s"]["8"],
+                "prefill": fp32["prefill_tok_s"] / bf16["prefill_tok_s"]}
+    compare = ", ".join(f"{k} {x:.1f}× slower" if x > 1 else f"{k} {1 / x:.1f}× faster"
+                        for k, x in slowdown.items())
+    slower = [k for k, x in slowdown.items() if x > 1]
+    if not slower:
+        text = f"bfloat16 is faster than float32 here ({compare})."
+    else:
+        why = ("this CPU has AVX2 but neither AVX512-BF16 nor AMX, so PyTorch computes "
+               "bfloat16 matmuls by converting to float32 in software: halving the bytes does "
+               "not pay (`--dtype auto` picks float32 here)" if not machine()["native_bf16"]
+               else "unexpected, as this CPU computes bfloat16 natively")
+        text = (f"**bfloat16 is slower than float32 on this CPU** at {' and '.join(slower)} "
+                f"(bfloat16 vs float32: {compare}); {why}. bfloat16 runs fewer, shorter steps "
+                "to fit the time budget (see its command).")
+    noisy = max(fp32["background"], bf16["background"])
+    return text + (f" Other processes kept up to {noisy:.1f} cores busy during these runs, "
+                   "which distorts the comparison." if noisy > 0.3 else "")
+
+
+def _engine_summary(results: dict) -> str:
+    ok = {k: r for k, r in results.items() if r["decode_tok_s"].get("8")}
+    if not ok:
+        return ""
+    name, r = max(ok.items(), key=lambda kv: kv[1]["decode_tok_s"]["8"])
+    pre, dec = r["prefill_tok_s"], r["decode_tok_s"]["8"]
+    return (f"the engine's fastest configuration ({name}) prefills {num(pre, 0)} tok/s "
+            f"({'PASS' if pre >= TARGET_PREFILL else 'FAIL'} against 1,500) and decodes "
+            f"{num(dec, 0)} tok/s at batch 8 ({'PASS' if dec >= TARGET_DECODE8 else 'FAIL'} "
+            "against 260)")

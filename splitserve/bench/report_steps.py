@@ -1,0 +1,165 @@
+"""The steps of `splitserve bench report`: the real tools as subprocesses (or, for quick
+ones, in this process), the servers they measure for the length of a `with` block, and
+the JSON they write. A step that fails raises StepFailed with the tail of its output."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+from splitserve.bench.report_config import ReportConfig
+from splitserve.bench.report_markdown import failed, shown
+from splitserve.orchestrator.up import wait_healthy
+from splitserve.server.metrics import parse_prometheus
+
+
+class StepFailed(Exception):
+    pass
+
+
+STEP_ERRORS = (StepFailed, OSError, ValueError, KeyError)
+
+
+def tool(*args: str) -> list[str]:
+    """A splitserve command line as the page cites it."""
+    return ["splitserve", *args]
+
+
+def _argv(cmd: list[str]) -> list[str]:
+    # The report's own interpreter and checkout, whatever `splitserve` is first on PATH.
+    return [sys.executable, "-m", "splitserve.cli", *cmd[1:]]
+
+
+def _tail(text: str, lines: int = 12) -> str:
+    return "\n".join(text.strip().splitlines()[-lines:])
+
+
+def run_step(cmd: list[str], timeout: float, log: str | None = None) -> str:
+    """Run one tool to completion; its stdout. StepFailed (with the stderr tail) otherwise."""
+    try:
+        proc = subprocess.run(_argv(cmd), capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:     # subprocess.run has killed and reaped it
+        raise StepFailed(f"timed out after {timeout:.0f} s: {shown(cmd)}") from None
+    if log:
+        os.makedirs(os.path.dirname(log), exist_ok=True)
+        with open(log, "w") as f:
+            f.write(f"$ {shown(cmd)}\n{proc.stdout}\n--- stderr ---\n{proc.stderr}")
+    if proc.returncode != 0:
+        raise StepFailed(f"exit code {proc.returncode}: {shown(cmd)}\n{_tail(proc.stderr)}")
+    return proc.stdout
+
+
+def run_inprocess(cmd: list[str]) -> str:
+    """A quick tool (--help, --explain, plot) in this process: its stdout, no torch import."""
+    from splitserve.cli import main
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(cmd[1:])
+    except SystemExit as exc:          # --help exits 0, a usage error 2
+        code = exc.code
+    except Exception as exc:           # noqa: BLE001 -- reported like a failed subprocess
+        raise StepFailed(f"{type(exc).__name__}: {exc}: {shown(cmd)}") from None
+    if code not in (0, None):
+        raise StepFailed(f"exit code {code}: {shown(cmd)}\n{_tail(err.getvalue())}")
+    return out.getvalue()
+
+
+def free_port(span: int = 1) -> int:
+    """A port P with P .. P+span-1 free now (`splitserve up --port P` puts workers on P+1...),
+    below Linux's ephemeral ports (32768+), so outgoing connections cannot take them meanwhile."""
+    for port in random.sample(range(10000, 32768 - span), 100):
+        socks = [socket.socket() for _ in range(span)]
+        try:
+            for i, s in enumerate(socks):
+                s.bind(("127.0.0.1", port + i))
+            return port
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise StepFailed(f"found no {span} consecutive free ports")
+
+
+def scrape(url: str) -> dict:
+    """parse_prometheus(GET url/metrics)."""
+    with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=10) as r:
+        return parse_prometheus(r.read())
+
+
+class Service:
+    """A server (`splitserve serve` / `splitserve up`) for the length of a `with` block:
+    started in its own process group and healthy (/health 200) on entry; on exit SIGINT
+    (which `splitserve up` answers by stopping its workers), then SIGKILL of the group in
+    case anything is left."""
+
+    def __init__(self, cmd: list[str], url: str, log: str, timeout: float):
+        self.cmd, self.url, self.log_path, self.timeout = cmd, url, log, timeout
+
+    def __enter__(self) -> "Service":
+        os.makedirs(os.path.dirname(self.log_path), exist_ok=True)
+        self.log = open(self.log_path, "w")
+        self.log.write(f"$ {shown(self.cmd)}\n")
+        self.log.flush()
+        self.proc = subprocess.Popen(_argv(self.cmd), stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        t0 = time.monotonic()
+        try:
+            wait_healthy([self.proc], [self.url], self.timeout)
+            print(f"# report: healthy after {time.monotonic() - t0:.1f} s", file=self.log,
+                  flush=True)
+        except (RuntimeError, TimeoutError) as exc:
+            self.stop()
+            with open(self.log_path) as f:
+                raise StepFailed(f"{exc}: {shown(self.cmd)}\n{_tail(f.read())}") from None
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        t0 = time.monotonic()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                pass
+        try:      # workers or engine processes of a leader that hung or died
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.proc.wait()
+        print(f"# report: stopped in {time.monotonic() - t0:.1f} s", file=self.log, flush=True)
+        self.log.close()
+
+
+def load_json(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def plot_step(cfg: ReportConfig, paths: list[str], name: str) -> tuple[list[str], str]:
+    """`splitserve bench plot` over result files: (its command, markdown images)."""
+    if not paths:
+        return [], "(no plots: no run succeeded)"
+    cmd = tool("bench", "plot", *paths, "--out", cfg.img(name))
+    try:
+        out = run_inprocess(cmd)
+    except StepFailed as exc:
+        return [cmd], failed(exc)
+    pngs = [line.strip() for line in out.splitlines() if line.strip().endswith(".png")]
+    return [cmd], "\n\n".join(f"![{os.path.basename(p)}]({cfg.link(p)})" for p in pngs)

@@ -1,0 +1,58 @@
+"""A splitserve server (`serve`, `orchestrator`) as a child process on a local port: the GEN
+worker `bench frontend` starts, and the workers and orchestrators of the end-to-end tests."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`python -m splitserve.cli --log-level WARNING <command...>`, which listens on `port`;
+    `threads` sets SPLITSERVE_NUM_THREADS (a worker's torch threads). close() stops it and
+    waits (a worker stops its own engine process)."""
+
+    def __init__(self, command: list[str], port: int, threads: int | None = None):
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        env = None if threads is None else dict(os.environ, SPLITSERVE_NUM_THREADS=str(threads))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "splitserve.cli", "--log-level", "WARNING", *command], env=env)
+
+    def wait_healthy(self, timeout: float) -> None:
+        """Until GET /health answers 200. RuntimeError if the process exits first,
+        TimeoutError after `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.url} exited with code {self.proc.returncode}")
+            if self._answers_health():
+                return
+            time.sleep(0.2)
+        raise TimeoutError(f"{self.url} did not become healthy in {timeout:.0f} s")
+
+    def _answers_health(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=10) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
