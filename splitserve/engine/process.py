@@ -21,7 +21,7 @@ from splitserve.config import EngineConfig
 from splitserve.engine.core import EngineCore
 from splitserve.errors import InvalidRequestError
 from splitserve.protocol.engine import (
-    AbortRequests, AddRequest, CompletionDelta, EngineDead, EngineInput, EngineOutputs,
+    AbortRequests, AddRequests, CompletionDelta, EngineDead, EngineInput, EngineOutputs,
     EngineReady, EngineStats, Shutdown)
 from splitserve.engine.request import FinishReason
 from splitserve.tokens import PromptTokens
@@ -129,10 +129,13 @@ def _recv_loop(ctx: zmq.Context, addr: str, in_q: queue.Queue) -> None:
         except msgspec.DecodeError:
             logger.exception("dropped an undecodable message")
             continue
-        if isinstance(msg, AddRequest):
-            in_q.put((msg, frames[1].buffer if len(frames) > 1 else b""))
-        else:
+        if not isinstance(msg, AddRequests):
             in_q.put(msg)
+        elif len(frames) != len(msg.requests) + 1:
+            logger.error("dropped %d requests: %d prompt frames", len(msg.requests), len(frames) - 1)
+        else:
+            for req, frame in zip(msg.requests, frames[1:]):
+                in_q.put((req, frame.buffer))
 
 
 def _send_loop(ctx: zmq.Context, addr: str, out_q: queue.Queue) -> None:

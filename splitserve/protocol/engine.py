@@ -63,7 +63,7 @@ class CompletionDelta(msgspec.Struct, omit_defaults=True):
 
 
 # -- front-end -> engine core ----------------------------------------------------------------
-class AddRequest(msgspec.Struct, tag="add"):
+class AddRequest(msgspec.Struct):
     request_id: str
     params: SamplingParams
     prompt_len: int
@@ -71,6 +71,13 @@ class AddRequest(msgspec.Struct, tag="add"):
     arrival_time: float = 0.0          # time.time() when the front-end received the request
     context_only: bool = False         # prefill, sample one token, lease the KV for a GEN
     remote: RemotePrefill | None = None   # generation_only: pull the KV, then decode
+
+
+class AddRequests(msgspec.Struct, tag="add"):
+    """Every request the front-end submitted in one event-loop turn, in one message: one
+    ZeroMQ send per turn instead of one per request. Frame i + 1 of the message holds
+    requests[i]'s prompt as raw int32 (empty for a placeholder)."""
+    requests: list[AddRequest]
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):
@@ -81,7 +88,7 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
     pass
 
 
-EngineInput = AddRequest | AbortRequests | Shutdown
+EngineInput = AddRequests | AbortRequests | Shutdown
 
 
 # -- engine core -> front-end ----------------------------------------------------------------

@@ -1,7 +1,9 @@
 """The front-end's handle on its engine-core process: start it, submit, stream, abort.
 
 One asyncio task reads the engine's output socket and routes each CompletionDelta to the
-queue of its request. The prompt goes out as a raw int32 frame next to a small AddRequest.
+queue of its request. Requests go out batched: everything submitted during one event-loop
+turn leaves in one AddRequests message at the end of the turn, each prompt as a raw int32
+frame, so a burst of arrivals costs one ZeroMQ send, not one each.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from splitserve.config import EngineConfig
 from splitserve.engine.process import run_engine_core
 from splitserve.engine.request import FinishReason
 from splitserve.protocol.engine import (
-    AbortRequests, AddRequest, CompletionDelta, EngineDead, EngineOutput, EngineOutputs,
+    AbortRequests, AddRequest, AddRequests, CompletionDelta, EngineDead, EngineOutput, EngineOutputs,
     EngineReady, EngineStats, RemotePrefill, Shutdown)
 from splitserve.sampling_params import SamplingParams
 from splitserve.tokens import PromptTokens
@@ -49,6 +51,7 @@ class EngineClient:
         self.process: multiprocessing.Process | None = None
         self._tasks: list[asyncio.Task] = []
         self._encoder = msgspec.msgpack.Encoder()
+        self._outbox: list[tuple[AddRequest, memoryview | bytes]] = []
 
     @property
     def healthy(self) -> bool:
@@ -56,7 +59,11 @@ class EngineClient:
 
     async def start(self, timeout: float = 300.0) -> EngineReady:
         """Spawn the engine process and wait for its handshake."""
-        self.in_sock = self.ctx.socket(zmq.PUSH)
+        # Sends are synchronous and never block (no high-water mark; the engine's reader
+        # thread drains the socket), so they need no future and no await.
+        self._in_async = self.ctx.socket(zmq.PUSH)   # owns the socket; in_sock shadows it
+        self.in_sock = zmq.Socket.shadow(self._in_async.underlying)
+        self.in_sock.setsockopt(zmq.SNDHWM, 0)
         self.in_sock.bind(self.input_addr)
         self.out_sock = self.ctx.socket(zmq.PULL)
         self.out_sock.bind(self.output_addr)
@@ -117,7 +124,7 @@ class EngineClient:
         frame = b"" if prompt.is_placeholder else memoryview(prompt.array).cast("B")
         open_seqs = params.n
         try:
-            await self.in_sock.send_multipart([self._encoder.encode(msg), frame], copy=False)
+            self._submit(msg, frame)
             while open_seqs:
                 delta = await q.get()
                 if delta.finish_reason is not None:
@@ -128,15 +135,27 @@ class EngineClient:
             if open_seqs and self.healthy:
                 await self.abort([request_id])
 
+    def _submit(self, msg: AddRequest, frame: memoryview | bytes) -> None:
+        self._outbox.append((msg, frame))
+        if len(self._outbox) == 1:
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        batch, self._outbox = self._outbox, []
+        if batch:
+            header = self._encoder.encode(AddRequests([msg for msg, _ in batch]))
+            self.in_sock.send_multipart([header, *(frame for _, frame in batch)], copy=False)
+
     async def abort(self, request_ids: list[str]) -> None:
-        await self.in_sock.send(self._encoder.encode(AbortRequests(request_ids)))
+        self._flush()   # an abort must not overtake the request it aborts
+        self.in_sock.send(self._encoder.encode(AbortRequests(request_ids)))
 
     async def shutdown(self, timeout: float = 10.0) -> None:
         for task in self._tasks:
             task.cancel()
         if self.process is not None and self.process.is_alive():
             try:
-                await self.in_sock.send(self._encoder.encode(Shutdown()))
+                self.in_sock.send(self._encoder.encode(Shutdown()), zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
             deadline = time.monotonic() + timeout
