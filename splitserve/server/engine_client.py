@@ -9,6 +9,7 @@ frame, so a burst of arrivals costs one ZeroMQ send, not one each.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import multiprocessing
 import os
@@ -37,6 +38,31 @@ class EngineDeadError(RuntimeError):
     pass
 
 
+class DeltaQueue:
+    """One request's deltas: what asyncio.Queue does for a single consumer, unbounded,
+    without its bookkeeping (most requests see one or a few deltas)."""
+
+    __slots__ = ("_items", "_waiter")
+
+    def __init__(self):
+        self._items: collections.deque[CompletionDelta] = collections.deque()
+        self._waiter: asyncio.Future | None = None
+
+    def put_nowait(self, delta: CompletionDelta) -> None:
+        self._items.append(delta)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def get(self) -> CompletionDelta:
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._items.popleft()
+
+
 class EngineClient:
     def __init__(self, config: EngineConfig, log_prefix: str = "engine"):
         self.config = config
@@ -44,7 +70,7 @@ class EngineClient:
         base = os.path.join(tempfile.gettempdir(), f"splitserve-{uuid.uuid4().hex[:12]}")
         self.input_addr, self.output_addr = f"ipc://{base}-in", f"ipc://{base}-out"
         self.ctx = zmq.asyncio.Context()
-        self.queues: dict[str, asyncio.Queue] = {}
+        self.queues: dict[str, DeltaQueue] = {}
         self.ready: EngineReady | None = None
         self.stats = EngineStats(0, 0, 0, 0, 0, 0)
         self.dead_reason: str | None = None
@@ -117,8 +143,7 @@ class EngineClient:
         client went away, the task was cancelled) aborts the request in the engine."""
         if not self.healthy:
             raise EngineDeadError(self.dead_reason or "engine not started")
-        q: asyncio.Queue = asyncio.Queue()
-        self.queues[request_id] = q
+        q = self.queues[request_id] = DeltaQueue()
         msg = AddRequest(request_id, params, len(prompt), prompt.is_placeholder,
                          arrival_time or time.time(), context_only, remote)
         frame = b"" if prompt.is_placeholder else memoryview(prompt.array).cast("B")
