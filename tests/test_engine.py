@@ -1,5 +1,7 @@
 """The paged, batched engine against a naive full-recompute forward (tests/reference_model.py)."""
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -241,3 +243,17 @@ def test_failed_request_ends_with_error_and_engine_keeps_serving(make_engine):
     assert deltas[0].finish_reason == FinishReason.ERROR and "injected fault" in deltas[0].error
     out = run(engine, prompts([5]), GREEDY)[0]
     assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 10
+
+
+def test_admission_is_when_the_engine_received_it_and_waiting_for_a_step_is_queue_time(make_engine):
+    """A request received 0.25 s before EngineCore.add_request (it waited for a step to
+    end) reports admit_time = the receipt and a queue time that includes those 0.25 s."""
+    engine = make_engine()
+    received = time.time() - 0.25
+    engine.add_request("a", PromptTokens(prompts([8])[0]), SamplingParams(max_tokens=2),
+                       received_time=received)
+    first = next(d for _ in range(4) for d in engine.step() if d.token_ids)
+    assert first.admit_time == received
+    assert 0.25 <= first.queue_time < 5
+    while engine.has_unfinished_requests():
+        engine.step()

@@ -96,7 +96,7 @@ def _handle(engine: EngineCore, item, deltas: list[CompletionDelta]) -> None:
         for rid in item.request_ids:
             engine.abort_request(rid)
         return
-    msg, frame = item
+    msg, frame, received = item
     try:
         if msg.placeholder:
             prompt = PromptTokens.placeholder(msg.prompt_len)
@@ -106,7 +106,7 @@ def _handle(engine: EngineCore, item, deltas: list[CompletionDelta]) -> None:
                 raise InvalidRequestError(f"prompt_len {msg.prompt_len} does not match the "
                                           f"{len(prompt)} prompt tokens sent", "prompt_len")
         engine.add_request(msg.request_id, prompt, msg.params, context_only=msg.context_only,
-                           remote=msg.remote)
+                           remote=msg.remote, received_time=received)
     except InvalidRequestError as exc:
         deltas.append(CompletionDelta(msg.request_id, 0, [], "", finish_reason=int(FinishReason.ERROR),
                                       error=exc.message, error_param=exc.param or ""))
@@ -134,8 +134,9 @@ def _recv_loop(ctx: zmq.Context, addr: str, in_q: queue.Queue) -> None:
         elif len(frames) != len(msg.requests) + 1:
             logger.error("dropped %d requests: %d prompt frames", len(msg.requests), len(frames) - 1)
         else:
+            received = time.time()   # the front-end's part ends here; see Request.admit_time
             for req, frame in zip(msg.requests, frames[1:]):
-                in_q.put((req, frame.buffer))
+                in_q.put((req, frame.buffer, received))
 
 
 def _send_loop(ctx: zmq.Context, addr: str, out_q: queue.Queue) -> None:

@@ -59,7 +59,7 @@ class CompletionDelta(msgspec.Struct, omit_defaults=True):
     error_param: str | None = None                       # set when the engine rejected the input
     kv_handle: KVHandle | None = None                    # context_only: KV left for a GEN to pull
     kv_transfer_time: float = 0.0                        # generation_only: seconds to pull the KV
-    admit_time: float = 0.0                              # wall clock the engine accepted it
+    admit_time: float = 0.0                              # wall clock the engine process received it
 
 
 # -- front-end -> engine core ----------------------------------------------------------------

@@ -229,14 +229,16 @@ class ServerMetrics:
                        "Time between consecutive tokens of a sequence")
         self.e2e = add(Histogram, "e2e_request_latency_seconds", "Arrival to last token")
         self.queue = add(Histogram, "request_queue_time_seconds",
-                         "Arrival to first scheduled in the engine")
+                         "Engine admission to first scheduled (waiting for the running step included)")
         self.prefill = add(Histogram, "prefill_seconds",
                            "First scheduled to first token (a generation_only request: the KV pull)")
         self.preprocessing = add(Histogram, "preprocessing_seconds",
-                                 "Sent (X-Sent-At) or HTTP arrival to engine admission")
+                                 "Sent (X-Sent-At) or HTTP arrival to engine admission (the engine "
+                                 "process took it off its input socket)")
         self.gen_preprocessing = r.register(Histogram(
             prefix + "gen_preprocessing_seconds",
-            "generation_only: sent or arrival to engine admission", buckets=FINE_LATENCY_BUCKETS))
+            "generation_only: sent (X-Sent-At) or arrival to engine admission",
+            buckets=FINE_LATENCY_BUCKETS))
         self.kv_transfer = add(Histogram, "kv_transfer_seconds",
                                "generation_only: time to pull the prompt's KV from the context worker")
         self.token_relay = add(Counter, "token_relay_total",
