@@ -171,3 +171,32 @@ def test_length_only_requests_are_never_preempted(tiny_source):
     finally:
         ctx.remote_kv.close()
         gen.remote_kv.close()
+
+
+def test_kv_pulls_start_while_decodes_use_the_whole_token_budget(tiny_source):
+    """A pull needs blocks, not compute: a generation_only request is admitted even when
+    the running decodes take every token of the step's budget."""
+    ctx = engine(tiny_source)
+    gen = EngineCore(EngineConfig(model="tiny-random", dtype="float32", seed=0,
+                                  cache=CacheConfig(4, 256), scheduler=SchedulerConfig(4, 8)),
+                     tiny_source)
+    try:
+        ctx.add_request("ref", PROMPT, GREEDY)
+        want = tokens(drain(ctx))
+        first = handoff(ctx, "c1")
+        busy = SamplingParams(max_tokens=60, ignore_eos=True)
+        for i in range(4):   # one-token prompts: 4 decodes fill a budget of 4
+            gen.add_request(f"local{i}", PromptTokens(np.array([7 + i], np.int32)), busy)
+        for _ in range(3):
+            gen.step()
+        gen.add_request("g", PROMPT, GREEDY,
+                        remote=RemotePrefill(first.kv_handle, first.token_ids, first.logprobs))
+        out = gen.step()
+        assert not gen.scheduler.waiting                # pulled, though no budget was left
+        assert len(gen.scheduler.running) == 4
+        out += drain(gen)
+        assert tokens([d for d in out if d.request_id == "g"]) == want
+        assert gen.block_manager.num_free_blocks == gen.block_manager.num_blocks
+    finally:
+        ctx.remote_kv.close()
+        gen.remote_kv.close()

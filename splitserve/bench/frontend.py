@@ -63,7 +63,8 @@ def benchmark(cfg: FrontendBenchConfig) -> dict:
         target = Target(url, model["id"], layout, vocab_size)
         client = ClientProcess()
         for mode in cfg.modes:   # unmeasured (first-request costs), but must succeed too
-            warm = RunSpec(target, mode, min(cfg.isl), 4, 20, cfg.duration, cfg.timeout)
+            warm = RunSpec(target, mode, min(cfg.isl), 4, 20, cfg.duration, cfg.timeout,
+                           cfg.max_tokens)
             summarize_run(warm, client.run(warm))
         # The modes of one cell run back to back: the load of a shared machine drifts.
         runs = [_run(cfg, client, worker, target, mode, isl, c)
@@ -87,7 +88,8 @@ def benchmark(cfg: FrontendBenchConfig) -> dict:
 
 def _run(cfg, client: ClientProcess, worker: BenchWorker | None, target: Target, mode: str,
          isl: int, c: int) -> dict:
-    spec = RunSpec(target, mode, isl, c, cfg.num_requests(c), cfg.duration, cfg.timeout)
+    spec = RunSpec(target, mode, isl, c, cfg.num_requests(c), cfg.duration, cfg.timeout,
+                   cfg.max_tokens)
     engine_cpu = worker.engine_cpu_seconds() if worker else None
     out = client.run(spec)
     if engine_cpu is not None:
@@ -123,6 +125,10 @@ def add_arguments(p) -> None:
                    help="a small grid (ISL 1k,32k; concurrency 64,256) unless --isl/--concurrency")
     p.add_argument("--url", default=None, help="an existing worker started with "
                    "--bench-skip-kv-pull (default: start a tiny-random GEN worker)")
+    p.add_argument("--max-tokens", type=int, default=1,
+                   help="tokens each request generates: 1 makes every request pure front-end "
+                        "work; more keeps `concurrency` requests decoding on the worker, as a "
+                        "loaded GEN holds them, while new ones arrive as others finish")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-gib", type=float, default=2.0, help="KV pool of the started worker")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
@@ -136,7 +142,7 @@ def config_from_args(args) -> FrontendBenchConfig:
         modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()),
         isl=args.isl or (QUICK_ISL if args.quick else DEFAULT_ISL),
         concurrency=args.concurrency or (QUICK_CONCURRENCY if args.quick else DEFAULT_CONCURRENCY),
-        requests=args.requests, duration=args.duration, url=args.url,
+        requests=args.requests, duration=args.duration, url=args.url, max_tokens=args.max_tokens,
         block_size=args.block_size, kv_cache_gib=args.kv_cache_gib, timeout=args.timeout,
         progress=not args.no_progress)
 

@@ -34,11 +34,13 @@ class RunSpec(msgspec.Struct, frozen=True):
     num_requests: int
     duration: float
     timeout: float
+    max_tokens: int = 1
 
 
-def body_parts(target: Target, mode: str, isl: int) -> list[bytes]:
+def body_parts(target: Target, mode: str, isl: int, max_tokens: int = 1) -> list[bytes]:
     """A generation_only /v1/completions body split around its ctx_request_id (in the
-    params and in the KV handle), so each request gets a unique id by a join."""
+    params and in the KV handle), so each request gets a unique id by a join. max_tokens > 1
+    (with ignore_eos) keeps each request decoding on the worker that long."""
     ids = np.random.default_rng(isl).integers(0, target.vocab_size, isl, dtype=np.int32)
     rid = _MARK.decode()
     dp = {"request_type": "generation_only", "ctx_request_id": rid,
@@ -50,8 +52,8 @@ def body_parts(target: Target, mode: str, isl: int) -> list[bytes]:
     elif mode == "b64":
         import pybase64
         dp["prompt_token_ids_b64"] = pybase64.b64encode(ids.astype("<i4").tobytes()).decode()
-    body = {"model": target.model, "prompt": "x", "max_tokens": 1, "temperature": 0.0,
-            "stream": False, "disaggregated_params": dp}
+    body = {"model": target.model, "prompt": "x", "max_tokens": max_tokens, "temperature": 0.0,
+            "ignore_eos": True, "stream": False, "disaggregated_params": dp}
     return msgspec.json.encode(body).split(_MARK)
 
 
@@ -137,15 +139,15 @@ def _client_main(conn) -> None:
         factory = uvloop.new_event_loop
     except ImportError:
         factory = None
-    cached: dict[tuple[str, int], list[bytes]] = {}   # the bodies of one ISL at a time
+    cached: dict[tuple[str, int, int], list[bytes]] = {}   # the bodies of one ISL at a time
     with asyncio.Runner(loop_factory=factory) as runner:
         while (raw := conn.recv_bytes()) != b"":
             spec = msgspec.msgpack.decode(raw, type=RunSpec)
             try:
-                key = (spec.mode, spec.isl)
+                key = (spec.mode, spec.isl, spec.max_tokens)
                 if key not in cached:
                     cached = {k: v for k, v in cached.items() if k[1] == spec.isl}
-                    cached[key] = body_parts(spec.target, spec.mode, spec.isl)
+                    cached[key] = body_parts(spec.target, spec.mode, spec.isl, spec.max_tokens)
                 out = runner.run(drive(spec, cached[key]))
             except Exception as exc:  # reported to the parent, which stops the benchmark
                 out = {"error": f"{type(exc).__name__}: {exc}"}

@@ -23,6 +23,7 @@ class FrontendBenchConfig:
     requests: int | None = None        # per run; None: max(2 * concurrency, 200)
     duration: float = 20.0             # seconds per run at most; requests in flight finish
     url: str | None = None             # an existing worker; None: start one
+    max_tokens: int = 1                # per request; > 1 holds requests decoding on the worker
     block_size: int = 16
     kv_cache_gib: float = 2.0          # the started worker's KV pool
     timeout: float = 120.0             # seconds per request
@@ -34,6 +35,7 @@ class FrontendBenchConfig:
         _require(self.isl and min(self.isl) >= 1, "--isl values must be >= 1")
         _require(self.concurrency and min(self.concurrency) >= 1, "--concurrency values must be >= 1")
         _require(self.requests is None or self.requests >= 1, "--requests must be >= 1")
+        _require(self.max_tokens >= 1, "--max-tokens must be >= 1")
         _require(self.duration > 0 and self.timeout > 0, "--duration and --timeout must be > 0")
 
     def num_requests(self, concurrency: int) -> int:

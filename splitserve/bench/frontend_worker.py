@@ -39,7 +39,8 @@ class BenchWorker(ServerProcess):
         self.args = ["--model", "tiny-random", "--dtype", "float32", "--role", "gen",
                      "--bench-skip-kv-pull", "--port", str(port), "--block-size",
                      str(cfg.block_size), "--num-blocks", str(num_blocks), "--max-num-seqs",
-                     str(max(cfg.concurrency)), "--no-prefix-caching"]
+                     str(max(cfg.concurrency)), "--max-num-batched-tokens",
+                     str(max(512, max(cfg.concurrency))), "--no-prefix-caching"]
         super().__init__(["serve", *self.args], port, threads=1)
 
     def wait_healthy(self, timeout: float = 180.0) -> None:

@@ -86,10 +86,11 @@ class Scheduler:
         return None
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and self._num_admitted < self.config.max_num_seqs:
+        while self.waiting and self._num_admitted < self.config.max_num_seqs:
             req = self.waiting[0]
             if req.remote is not None:
-                # The prompt's KV comes from a context worker: blocks now, no compute budget.
+                # The prompt's KV comes from a context worker: blocks now, no compute budget,
+                # so a step whose budget the running decodes used up still starts pulls.
                 if not self.bm.allocate(req, req.num_prompt_tokens):
                     break
                 self.waiting.popleft()
@@ -98,6 +99,8 @@ class Scheduler:
                 self.transferring.append(req)
                 out.pulls.append(req)
                 continue
+            if budget <= 0:
+                break
             cached = []
             if req.num_computed_tokens == 0 and req.params.prompt_logprobs is None:
                 cached = self.bm.find_cached_prefix(req)   # cached tokens would have no logprobs
