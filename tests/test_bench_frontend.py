@@ -11,7 +11,7 @@ from splitserve.bench import frontend, frontend_client, frontend_report, fronten
 from splitserve.cli import main
 
 GEN = ("--model", "tiny-random", "--dtype", "float32", "--role", "gen", "--num-blocks", "2048")
-ROW_FIELDS = {"mode", "isl", "concurrency", "requests", "completed", "errors",
+ROW_FIELDS = {"mode", "isl", "concurrency", "max_tokens", "requests", "completed", "errors",
               "truncated_by_duration", "duration_s", "request_throughput", "body_bytes",
               "server_cpu_s", "server_cpu_per_request_us", "engine_cpu_per_request_us",
               "client_cpu_per_request_us", "gen_preprocessing_ms", "queue_ms", "client_latency_ms"}
@@ -84,3 +84,14 @@ def test_targets_use_the_grid_values_nearest_to_the_issue():
     assert (flat["value"], flat["pass"]) == (1.25, True) and "32768 / ISL 1024" in flat["name"]
     assert (p99["value"], p99["pass"]) == (12.0, False) and "concurrency 8" in p99["name"]
     assert frontend._ints("1k, 32k,500") == (1024, 32768, 500)
+
+
+def test_held_requests_cycle_through_lengths_around_max_tokens():
+    target = frontend_client.Target("http://x", "tiny-random", "layout", 49152)
+    (one,) = frontend_client.body_variants(target, "b64", 64, 1)
+    assert json.loads(b"r".join(one))["max_tokens"] == 1
+    held = [json.loads(b"r".join(v)) for v in frontend_client.body_variants(target, "b64", 64, 64)]
+    lengths = [b["max_tokens"] for b in held]
+    assert len(set(lengths)) == 16 and min(lengths) == 32 and max(lengths) == 96
+    assert abs(sum(lengths) / len(lengths) - 64) <= 1
+    assert all(b["ignore_eos"] and b["disaggregated_params"]["prompt_len"] == 64 for b in held)

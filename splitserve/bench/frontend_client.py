@@ -76,7 +76,17 @@ async def _open_connections(http: aiohttp.ClientSession, url: str, n: int) -> No
     await asyncio.gather(*(one() for _ in range(n)))
 
 
-async def drive(spec: RunSpec, parts: list[bytes]) -> dict:
+def body_variants(target: Target, mode: str, isl: int, max_tokens: int) -> list[list[bytes]]:
+    """The bodies a run cycles through. max_tokens > 1: 16 lengths spread evenly around it
+    (mean max_tokens), so held requests finish at different steps and the closed loop does
+    not settle into waves of `concurrency` requests arriving at once."""
+    if max_tokens == 1:
+        return [body_parts(target, mode, isl)]
+    lengths = np.linspace(max(1, max_tokens // 2), max_tokens + max_tokens // 2, 16)
+    return [body_parts(target, mode, isl, int(n)) for n in lengths.round()]
+
+
+async def drive(spec: RunSpec, variants: list[list[bytes]]) -> dict:
     """One run: warm connections, /metrics, the requests at fixed concurrency, /metrics."""
     url = spec.target.url.rstrip("/")
     connector = aiohttp.TCPConnector(limit=spec.concurrency, limit_per_host=spec.concurrency)
@@ -93,13 +103,14 @@ async def drive(spec: RunSpec, parts: list[bytes]) -> dict:
                 if time.monotonic() > deadline:
                     return
                 rid = b"bench-%d-%d" % (os.getpid(), i)
-                await _send(http, url, rid.join(parts), spec.isl, latencies, failures)
+                body = rid.join(variants[i % len(variants)])
+                await _send(http, url, body, spec.isl, latencies, failures)
         start, cpu = time.perf_counter(), time.process_time()
         await asyncio.gather(*(sender() for _ in range(spec.concurrency)))
         elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
         after = await _scrape(http, url)
     return {"latencies_s": latencies, "failures": failures[:5], "num_failed": len(failures),
-            "duration_s": elapsed, "client_cpu_s": cpu, "body_bytes": len(b"bench-0-0".join(parts)),
+            "duration_s": elapsed, "client_cpu_s": cpu, "body_bytes": len(b"bench-0-0".join(variants[0])),
             "metrics_before": before, "metrics_after": after}
 
 
@@ -139,7 +150,7 @@ def _client_main(conn) -> None:
         factory = uvloop.new_event_loop
     except ImportError:
         factory = None
-    cached: dict[tuple[str, int, int], list[bytes]] = {}   # the bodies of one ISL at a time
+    cached: dict[tuple[str, int, int], list[list[bytes]]] = {}   # bodies of one ISL at a time
     with asyncio.Runner(loop_factory=factory) as runner:
         while (raw := conn.recv_bytes()) != b"":
             spec = msgspec.msgpack.decode(raw, type=RunSpec)
@@ -147,7 +158,7 @@ def _client_main(conn) -> None:
                 key = (spec.mode, spec.isl, spec.max_tokens)
                 if key not in cached:
                     cached = {k: v for k, v in cached.items() if k[1] == spec.isl}
-                    cached[key] = body_parts(spec.target, spec.mode, spec.isl, spec.max_tokens)
+                    cached[key] = body_variants(spec.target, spec.mode, spec.isl, spec.max_tokens)
                 out = runner.run(drive(spec, cached[key]))
             except Exception as exc:  # reported to the parent, which stops the benchmark
                 out = {"error": f"{type(exc).__name__}: {exc}"}

@@ -34,6 +34,7 @@ def summarize_run(spec: RunSpec, out: dict, engine_cpu: float | None = None) -> 
                          f"{spec.mode} relays and {hists[GEN_PRE]['count']} admissions")
     cpu = counters["process_cpu_seconds_total"]
     return {"mode": spec.mode, "isl": spec.isl, "concurrency": spec.concurrency,
+            "max_tokens": spec.max_tokens,
             "requests": spec.num_requests, "completed": done, "errors": 0,
             "truncated_by_duration": done < spec.num_requests, "duration_s": out["duration_s"],
             "request_throughput": done / out["duration_s"], "body_bytes": out["body_bytes"],
