@@ -11,6 +11,15 @@ def req(tokens, rid="r"):
     return Request(rid, PromptTokens.from_list(tokens), SamplingParams())
 
 
+def computed(bm, tokens, rid="r"):
+    """A request whose every token has its KV in blocks, the full ones published."""
+    r = req(tokens, rid)
+    assert bm.allocate(r, r.num_prompt_tokens)
+    r.num_computed_tokens = r.num_prompt_tokens
+    bm.cache_full_blocks(r)
+    return r
+
+
 def test_allocate_is_all_or_nothing():
     bm = BlockManager(num_blocks=4, block_size=4)
     a = req(range(10))
@@ -46,10 +55,7 @@ def test_prefix_hit_shares_blocks_and_leaves_one_token_to_compute():
 
 def test_freed_cached_block_is_reused_until_evicted():
     bm = BlockManager(num_blocks=3, block_size=4)
-    a = req(range(9))
-    bm.allocate(a, 9)
-    a.num_computed_tokens = 9
-    bm.cache_full_blocks(a)
+    a = computed(bm, range(9))
     first = a.block_ids[0]
     bm.free(a)
     b = req(range(9), "b")
@@ -89,3 +95,68 @@ def test_double_free_is_caught():
     a.block_ids = ids
     with pytest.raises(AssertionError):
         bm.free(a)
+
+
+def test_free_queue_is_lru_with_each_requests_tail_first():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a, b = req(range(12)), req(range(8), "b")
+    bm.allocate(a, 12)
+    bm.allocate(b, 8)
+    assert a.block_ids == [0, 1, 2] and b.block_ids == [3, 4]
+    bm.free(a)
+    bm.free(b)
+    assert bm.free_queue.order() == [5, 6, 7, 2, 1, 0, 4, 3]
+    c = req(range(20), "c")
+    assert bm.allocate(c, 20)
+    assert c.block_ids == [5, 6, 7, 2, 1]
+    assert bm.free_queue.order() == [0, 4, 3]
+
+
+def test_bulk_allocation_evicts_exactly_the_cached_blocks_it_hands_out():
+    bm = BlockManager(num_blocks=6, block_size=4)
+    bm.free(computed(bm, range(16)))   # queue: 4, 5, then its blocks tail first: 3, 2, 1, 0
+    b = req([9] * 16, "b")
+    assert bm.allocate(b, 16)      # takes 4, 5, 3, 2: a's two deepest blocks lose their hashes
+    assert b.block_ids == [4, 5, 3, 2]
+    assert sorted(bm.cached.values()) == [0, 1]
+    assert bm.find_cached_prefix(req(range(16), "again")) == [0, 1]
+
+
+def test_cache_hit_on_free_blocks_takes_them_out_of_the_middle_of_the_queue():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    bm.free(computed(bm, range(12)))
+    b = req(range(12), "b")
+    hits = bm.find_cached_prefix(b)
+    assert hits == [0, 1]
+    assert bm.allocate(b, 4, hits)
+    assert b.block_ids == [0, 1, 3] and bm.num_free_blocks == 5
+    assert bm.free_queue.order() == [4, 5, 6, 7, 2]
+    c = req([9] * 20, "c")
+    assert bm.allocate(c, 20) and c.block_ids == [4, 5, 6, 7, 2]
+
+
+def test_fork_counts_every_shared_block_once_per_holder():
+    bm = BlockManager(num_blocks=10, block_size=4)
+    parent = req(range(14))
+    bm.allocate(parent, 14)
+    parent.num_computed_tokens = 14
+    kids = [req(range(14), f"k{i}") for i in range(2)]
+    copies = [bm.fork(parent, kid) for kid in kids]
+    assert [int(bm.ref_counts[b]) for b in parent.block_ids] == [3, 3, 3, 1]
+    assert [dst for _, dst in copies] == [4, 5]
+    bm.free(parent)
+    assert [int(bm.ref_counts[b]) for b in kids[0].block_ids[:3]] == [2, 2, 2]
+    assert bm.free_queue.order()[-1] == 3      # only the parent's own last block came back
+    for kid in kids:
+        bm.free(kid)
+    assert bm.num_free_blocks == 10 and not bm.ref_counts.any()
+
+
+def test_freeing_twice_changes_no_count():
+    bm = BlockManager(num_blocks=4, block_size=4)
+    a = req(range(8))
+    bm.allocate(a, 8)
+    bm.free_blocks(a.block_ids[:1])
+    with pytest.raises(AssertionError, match="freed twice"):
+        bm.free_blocks(a.block_ids)
+    assert bm.ref_counts.tolist() == [0, 1, 0, 0] and bm.num_free_blocks == 3

@@ -2,17 +2,26 @@
 
 Invariants: a block is either referenced (ref_count > 0, not in the free queue) or free
 (ref_count == 0, in the free queue). A free block may still hold a cached prefix; it stays
-findable by its hash until it is handed out again, oldest-freed first (LRU).
+findable by its hash until it is handed out again, oldest-freed first (LRU). A holder (a
+request or a KV lease) lists each of its blocks once, so a request's blocks are counted,
+queued and handed out with a few numpy operations rather than one Python step per block.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict
+import struct
 
 import numpy as np
 
+from splitserve.engine.free_block_queue import FreeBlockQueue
 from splitserve.engine.request import Request
+
+
+def _array(block_ids: list[int]) -> np.ndarray:
+    """Block ids as a read-only int64 array; struct reads a list of ints twice as fast as
+    np.fromiter or np.array."""
+    return np.frombuffer(struct.pack(f"{len(block_ids)}q", *block_ids), np.int64)
 
 
 def chain_hash(parent: bytes, tokens: np.ndarray) -> bytes:
@@ -22,13 +31,17 @@ def chain_hash(parent: bytes, tokens: np.ndarray) -> bytes:
 
 
 class BlockManager:
+    """`cached[h] == b` exactly when `block_hash[b] == h`, and then `_hashed[b]` is set: a
+    block holds at most one hash, a hash names at most one block."""
+
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.ref_counts = [0] * num_blocks
-        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.ref_counts = np.zeros(num_blocks, dtype=np.int32)
+        self.free_queue = FreeBlockQueue(num_blocks)
         self.block_hash: list[bytes | None] = [None] * num_blocks
+        self._hashed = np.zeros(num_blocks, dtype=bool)   # finds hashed blocks in bulk
         self.cached: dict[bytes, int] = {}
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -78,64 +91,76 @@ class BlockManager:
             block, h = req.block_ids[i], req.block_hashes[i]
             if self.block_hash[block] is None and h not in self.cached:
                 self.block_hash[block] = h
+                self._hashed[block] = True
                 self.cached[h] = block
 
     # -- allocation -----------------------------------------------------------------------
     def allocate(self, req: Request, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
         """Give req blocks for num_computed_tokens + num_new_tokens (after taking
         cached_blocks for its prefix). All or nothing: False leaves every count untouched."""
-        reusable = sum(1 for b in cached_blocks if self.ref_counts[b] == 0)
         have = len(req.block_ids) + len(cached_blocks)
         total = req.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens
         need = max(self.blocks_needed(total) - have, 0)
-        if need + reusable > len(self.free_queue):
+        num_reused = 0
+        if cached_blocks:
+            hits = _array(cached_blocks)
+            counts = self.ref_counts[hits]
+            reused = hits[counts == 0]          # free blocks that still hold the cached prefix
+            num_reused = len(reused)
+        if need + num_reused > len(self.free_queue):
             return False
-        for b in cached_blocks:
-            self._take(b)
-        req.block_ids.extend(cached_blocks)
-        for _ in range(need):
-            block, _ = self.free_queue.popitem(last=False)
-            self._evict(block)
-            self.ref_counts[block] = 1
-            req.block_ids.append(block)
+        if cached_blocks:
+            self.free_queue.remove(reused)
+            self.ref_counts[hits] = counts + 1
+            req.block_ids.extend(cached_blocks)
+        if need:
+            req.block_ids.extend(self._hand_out(need))
         return True
 
-    def _take(self, block: int) -> None:
-        if self.ref_counts[block] == 0:
-            del self.free_queue[block]
-        self.ref_counts[block] += 1
+    def _hand_out(self, n: int) -> list[int]:
+        """The n least recently freed blocks, one reference each, no longer cached."""
+        blocks, ids = self.free_queue.pop(n)
+        self.ref_counts[blocks] = 1
+        if self.cached:
+            self._evict(blocks[self._hashed[blocks]])
+        return ids
 
-    def _evict(self, block: int) -> None:
-        h = self.block_hash[block]
-        if h is not None:
+    def _evict(self, blocks: np.ndarray) -> None:
+        """Forget the prefixes these blocks hold: their KV is about to be overwritten."""
+        self._hashed[blocks] = False
+        for block in blocks.tolist():
+            del self.cached[self.block_hash[block]]
             self.block_hash[block] = None
-            if self.cached.get(h) == block:
-                del self.cached[h]
 
     def free(self, req: Request) -> None:
         self.free_blocks(req.block_ids)
         req.block_ids = []
 
     def free_blocks(self, block_ids: list[int]) -> None:
+        """Drop one reference to each block (ints as handed out, each listed once)."""
+        if not block_ids:
+            return
+        blocks = _array(block_ids)
+        left = self.ref_counts[blocks] - 1
+        shared = np.count_nonzero(left) > 0      # else every one of them is free now
+        assert not shared or left.min() >= 0, f"block {blocks[left.argmin()]} freed twice"
+        self.ref_counts[blocks] = left
         # Tail blocks first, so a prompt's deepest blocks are evicted before its shared head.
-        for block in reversed(block_ids):
-            self.ref_counts[block] -= 1
-            assert self.ref_counts[block] >= 0, f"block {block} freed twice"
-            if self.ref_counts[block] == 0:
-                self.free_queue[block] = None
+        if shared:
+            freed = blocks[::-1][left[::-1] == 0]
+            self.free_queue.push(freed, freed.tolist())
+        else:
+            self.free_queue.push(blocks[::-1].copy(), block_ids[::-1])
 
     def fork(self, parent: Request, child: Request) -> tuple[int, int] | None:
         """Child shares parent's full blocks; a partial last block is copied (copy-on-write
         done eagerly). Returns (src, dst) block ids to copy, or None. Caller checked space."""
         n_full = parent.num_computed_tokens // self.block_size
-        for b in parent.block_ids[:n_full]:
-            self._take(b)
-        child.block_ids = list(parent.block_ids[:n_full])
-        child.block_hashes = list(parent.block_hashes[:n_full])
+        child.block_ids = parent.block_ids[:n_full]
+        child.block_hashes = parent.block_hashes[:n_full]
+        # The parent holds these blocks, so none of them is in the free queue.
+        self.ref_counts[_array(child.block_ids)] += 1
         if len(parent.block_ids) == n_full:
             return None
-        block, _ = self.free_queue.popitem(last=False)
-        self._evict(block)
-        self.ref_counts[block] = 1
-        child.block_ids.append(block)
-        return parent.block_ids[n_full], block
+        child.block_ids.extend(self._hand_out(1))
+        return parent.block_ids[n_full], child.block_ids[-1]
