@@ -14,7 +14,10 @@ ENGINE = "1. Engine: prefill and decode throughput"
 
 def engine(cfg: ReportConfig) -> Section:
     configs = [("float32", ["--dtype", "float32"]), ("bfloat16", ["--dtype", "bfloat16"])]
-    if "int8" in run_inprocess(tool("bench", "engine", "--help")).partition("--quantization")[2]:
+    options = run_inprocess(tool("bench", "engine", "--help"))
+    if "--no-pack-weights" in options:   # the same dtype with row-major weights: what packing buys
+        configs.append(("bfloat16-plain", ["--dtype", "bfloat16", "--no-pack-weights"]))
+    if "int8" in options.partition("--quantization")[2]:
         configs.append(("int8", ["--quantization", "int8"]))
     rows, cmds, results = [], [], {}
     for name, args in configs:
@@ -29,7 +32,8 @@ def engine(cfg: ReportConfig) -> Section:
             rows.append([name, failed_cell(exc)] + [""] * 7)
             continue
         d, ms = r["decode_tok_s"], r["decode_ms_step"]
-        rows.append([f"{name} ({r['dtype']} compute)",
+        layout = ", packed weights" if r.get("packed_weights") else ""
+        rows.append([f"{name} ({r['dtype']} compute{layout})",
                      f"{num(r['prefill_tok_s'])} ({r['prefill_len']} tokens)",
                      *(num(d.get(b)) for b in ("1", "8", "32")),
                      " / ".join(num(ms.get(b), 0) for b in ("1", "8", "32")),
@@ -55,7 +59,7 @@ def _verdict(value, target: float) -> str:
 
 def _engine_load(cfg: ReportConfig, name: str) -> list[str]:
     """Bounded settings: bfloat16 without native support is ~10x slower, so fewer steps."""
-    slow = name == "bfloat16" and not machine()["native_bf16"]
+    slow = name.startswith("bfloat16") and not machine()["native_bf16"]
     if slow and cfg.quick:
         return ["--prefill-len", "64", "--repeats", "1", "--decode-steps", "2",
                 "--decode-prompt-len", "8", "--batch-sizes", "1,8"]
