@@ -3,6 +3,7 @@
 import time
 
 import numpy as np
+import pytest
 
 from splitserve.config import CacheConfig, EngineConfig, KVTransferConfig, SchedulerConfig
 from splitserve.engine.core import EngineCore
@@ -12,6 +13,17 @@ from splitserve.tokens import PromptTokens
 
 PROMPT = PromptTokens(np.random.default_rng(0).integers(3, 49152, 23).astype(np.int32))
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+BACKENDS = ["tcp", "nixl"]
+
+
+def require_backend(backend):
+    """Skips the calling test, or a whole module at import, when the backend's optional
+    package is not importable."""
+    if backend == "nixl":
+        # exc_type: a half-installed nixl (its __init__ raises ImportError) skips too.
+        pytest.importorskip("nixl", exc_type=ImportError,
+                            reason="nixl is not importable: install torch first, then "
+                                   "`pip install nixl==1.5.1` (scripts/install.sh test)")
 
 
 def engine(source, backend="tcp", lease=30.0, timeout=5.0, dtype="float32", block_size=4):
@@ -30,6 +42,15 @@ def drain(e, until=lambda deltas: False, timeout=20.0):
         assert time.monotonic() < deadline
         time.sleep(0.001)
     return deltas
+
+
+def wait_for_release(ctx, timeout=5.0):
+    """Steps the CTX until GEN's ack has freed every lease (its serve thread reads the ack
+    at its own pace)."""
+    deadline = time.monotonic() + timeout
+    while ctx.remote_kv.num_leased_blocks and time.monotonic() < deadline:
+        ctx.step()
+        time.sleep(0.01)
 
 
 def tokens(deltas):

@@ -1,4 +1,5 @@
-"""Context-only and generation-only requests across two in-process engines, KV over TCP."""
+"""Context-only and generation-only requests across two in-process engines, KV over each
+backend (nixl's tests skip when it is not importable)."""
 
 import time
 
@@ -6,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from splitserve.config import CacheConfig, EngineConfig, KVTransferConfig, SchedulerConfig
+from splitserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from splitserve.engine.core import EngineCore
 from splitserve.engine.request import FinishReason
 from splitserve.errors import InvalidRequestError
@@ -14,30 +15,37 @@ from splitserve.protocol.engine import KVHandle, RemotePrefill
 from splitserve.sampling_params import SamplingParams
 from splitserve.tokens import PromptTokens
 
-from disagg_utils import GREEDY, PROMPT, drain, engine, handoff, tokens
+from disagg_utils import (BACKENDS, GREEDY, PROMPT, drain, engine, handoff, require_backend,
+                          tokens, wait_for_release)
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def backend(request):
+    require_backend(request.param)
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def pair(tiny_source):
-    ctx, gen = engine(tiny_source), engine(tiny_source)
+def pair(tiny_source, backend):
+    ctx, gen = engine(tiny_source, backend), engine(tiny_source, backend)
     yield ctx, gen
     for e in (ctx, gen):
         e.remote_kv.close()
 
 
-def test_disaggregated_greedy_equals_aggregated(pair):
+def test_disaggregated_greedy_equals_aggregated_and_frees_the_lease(pair, backend):
     ctx, gen = pair
     ctx.add_request("agg", PROMPT, GREEDY)
     want = tokens(drain(ctx))
     first = handoff(ctx, "c1")
-    assert first.token_ids == want[:1]
+    assert first.token_ids == want[:1] and first.kv_handle.backend == backend
     assert ctx.remote_kv.num_leased_blocks == 6       # 23 tokens in blocks of 4
     gen.add_request("g1", PROMPT, GREEDY,
                     remote=RemotePrefill(first.kv_handle, first.token_ids, first.logprobs))
     out = drain(gen)
     assert tokens(out) == want and out[-1].finish_reason == FinishReason.LENGTH
     assert out[0].kv_transfer_time > 0
-    ctx.step()   # applies GEN's ack
+    wait_for_release(ctx)
     assert ctx.remote_kv.num_leased_blocks == 0
     for e in pair:
         assert e.block_manager.num_free_blocks == e.block_manager.num_blocks
@@ -61,14 +69,14 @@ def test_pulled_kv_is_byte_identical(pair):
     ctx.step()
 
 
-def test_unknown_ctx_request_and_layout_mismatch(pair):
+def test_unknown_ctx_request_and_layout_mismatch(pair, backend):
     ctx, gen = pair
-    forged = KVHandle(backend="tcp", endpoint=ctx.remote_kv.endpoint, ctx_request_id="nope",
+    forged = KVHandle(backend=backend, endpoint=ctx.remote_kv.endpoint, ctx_request_id="nope",
                       layout=gen.remote_kv.layout, num_tokens=len(PROMPT))
     gen.add_request("g3", PROMPT, GREEDY, remote=RemotePrefill(forged, [5]))
     (delta,) = drain(gen)
     assert delta.finish_reason == FinishReason.ERROR and "unknown or expired" in delta.error
-    bad_layout = KVHandle(backend="tcp", endpoint=ctx.remote_kv.endpoint, ctx_request_id="x",
+    bad_layout = KVHandle(backend=backend, endpoint=ctx.remote_kv.endpoint, ctx_request_id="x",
                           layout="other-model|float32", num_tokens=len(PROMPT))
     with pytest.raises(InvalidRequestError, match="layout mismatch"):
         gen.add_request("g4", PROMPT, GREEDY, remote=RemotePrefill(bad_layout, [5]))
@@ -79,10 +87,10 @@ def test_unknown_ctx_request_and_layout_mismatch(pair):
     assert gen.block_manager.num_free_blocks == gen.block_manager.num_blocks
 
 
-def test_unreachable_context_worker_times_out_cleanly(tiny_source):
-    gen = engine(tiny_source, timeout=0.5)
+def test_unreachable_context_worker_times_out_cleanly(tiny_source, backend):
+    gen = engine(tiny_source, backend, timeout=0.5)
     try:
-        dead = KVHandle(backend="tcp", endpoint="tcp://127.0.0.1:9", ctx_request_id="c",
+        dead = KVHandle(backend=backend, endpoint="tcp://127.0.0.1:9", ctx_request_id="c",
                         layout=gen.remote_kv.layout, num_tokens=len(PROMPT))
         gen.add_request("g", PROMPT, GREEDY, remote=RemotePrefill(dead, [5]))
         (delta,) = drain(gen)

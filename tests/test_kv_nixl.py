@@ -1,106 +1,21 @@
-"""The nixl KV backend: the engine-level disaggregation tests over NIXL (UCX over TCP on
-loopback), and the transport on its own with hand-built leases."""
+"""The nixl KV transport on its own, with hand-built leases (the engine-level tests over
+both backends are in test_disagg_engine.py)."""
 
 import queue
 import sys
 import time
 
-import numpy as np
 import pytest
 import torch
 
-from splitserve.config import CacheConfig, EngineConfig, KVTransferConfig, SchedulerConfig
-from splitserve.engine.core import EngineCore
-from splitserve.engine.request import FinishReason
 from splitserve.kv.base import LeaseView, make_transport
 from splitserve.kv.nixl import block_runs
-from splitserve.protocol.engine import KVHandle, RemotePrefill
-from splitserve.sampling_params import SamplingParams
-from splitserve.tokens import PromptTokens
+from splitserve.protocol.engine import KVHandle
 
-from disagg_utils import GREEDY, PROMPT, drain, handoff, tokens
-from disagg_utils import engine as _engine
+from disagg_utils import require_backend
 
-# exc_type: a half-installed nixl (its __init__ raises ImportError) skips too.
-nixl = pytest.importorskip("nixl", exc_type=ImportError,
-                           reason="nixl is not importable: install torch first, then "
-                                  "`pip install nixl==1.5.1` (scripts/install.sh test)")
+require_backend("nixl")
 
-
-def engine(source, timeout=5.0):
-    return _engine(source, backend="nixl", timeout=timeout)
-
-
-@pytest.fixture(scope="module")
-def pair(tiny_source):
-    ctx, gen = engine(tiny_source), engine(tiny_source)
-    yield ctx, gen
-    for e in (ctx, gen):
-        e.remote_kv.close()
-
-
-def test_disaggregated_greedy_equals_aggregated_and_frees_the_lease(pair):
-    ctx, gen = pair
-    ctx.add_request("agg", PROMPT, GREEDY)
-    want = tokens(drain(ctx))
-    first = handoff(ctx, "c1")
-    assert first.kv_handle.backend == "nixl"
-    assert ctx.remote_kv.num_leased_blocks == 6       # 23 tokens in blocks of 4
-    gen.add_request("g1", PROMPT, GREEDY,
-                    remote=RemotePrefill(first.kv_handle, first.token_ids, first.logprobs))
-    out = drain(gen)
-    assert tokens(out) == want and out[-1].finish_reason == FinishReason.LENGTH
-    assert out[0].kv_transfer_time > 0
-    deadline = time.monotonic() + 5
-    while ctx.remote_kv.num_leased_blocks and time.monotonic() < deadline:
-        ctx.step()   # applies GEN's ack once the serve thread has read it
-        time.sleep(0.01)
-    assert ctx.remote_kv.num_leased_blocks == 0
-    for e in pair:
-        assert e.block_manager.num_free_blocks == e.block_manager.num_blocks
-
-
-def test_pulled_kv_is_byte_identical(pair):
-    ctx, gen = pair
-    first = handoff(ctx, "c2")
-    ctx_blocks = list(ctx.remote_kv.leases.leases["c2"].block_ids)
-    ctx_kv = ctx.runner.kv_cache[ctx_blocks].clone()
-    gen.add_request("g2", PROMPT, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
-                    remote=RemotePrefill(first.kv_handle, first.token_ids))
-    drain(gen, until=lambda d: len(d) >= 2)
-    got = gen.runner.kv_cache[gen.groups["g2"][0].block_ids[:6]]
-    # The last block holds 3 prompt tokens; later slots belong to generated tokens.
-    assert torch.equal(got[:5], ctx_kv[:5])
-    assert torch.equal(got[5, :, :, :3], ctx_kv[5, :, :, :3])
-    gen.abort_request("g2")
-    drain(gen)
-    ctx.step()
-
-
-def test_unknown_ctx_request_ends_that_request_only(pair):
-    ctx, gen = pair
-    forged = KVHandle(backend="nixl", endpoint=ctx.remote_kv.endpoint, ctx_request_id="nope",
-                      layout=gen.remote_kv.layout, num_tokens=len(PROMPT))
-    gen.add_request("g3", PROMPT, GREEDY, remote=RemotePrefill(forged, [5]))
-    (delta,) = drain(gen)
-    assert delta.finish_reason == FinishReason.ERROR and "unknown or expired" in delta.error
-    assert gen.block_manager.num_free_blocks == gen.block_manager.num_blocks
-
-
-def test_unreachable_context_worker_times_out_cleanly(tiny_source):
-    gen = engine(tiny_source, timeout=0.5)
-    try:
-        dead = KVHandle(backend="nixl", endpoint="tcp://127.0.0.1:9", ctx_request_id="c",
-                        layout=gen.remote_kv.layout, num_tokens=len(PROMPT))
-        gen.add_request("g", PROMPT, GREEDY, remote=RemotePrefill(dead, [5]))
-        (delta,) = drain(gen)
-        assert delta.finish_reason == FinishReason.ERROR and "did not answer" in delta.error
-        assert gen.block_manager.num_free_blocks == gen.block_manager.num_blocks
-    finally:
-        gen.remote_kv.close()
-
-
-# -- the transport on its own ----------------------------------------------------------------
 
 class Leases(LeaseView):
     def __init__(self, table):

@@ -1,12 +1,12 @@
 """The NIXL KV transport: GEN reads the CTX's leased blocks straight out of its KV cache.
 
 Each transport owns one NIXL agent (UCX backend) that registers the whole KV cache once.
-CTX: a ZeroMQ ROUTER socket answers a lookup with the lease's block ids, the cache's base
-address and the agent's metadata; it never touches the agent after start, so NIXL's own
-progress thread serves the READs. GEN: one thread runs pulls one after another; it alone
-calls the agent (NIXL agents are not thread-safe in their default sync mode). It looks the
-lease up, loads the CTX agent's metadata once per agent, posts one READ from remote blocks
-into local ones, polls it to completion and then acks over ZeroMQ, which releases the lease.
+CTX: the reply to a PullRequest (kv.zmq_pull's conversation over ZeroMQ) carries the lease's
+block ids, the cache's base address and the agent's metadata; the CTX never touches the agent
+after start, so NIXL's own progress thread serves the READs. GEN: the pull thread alone calls
+the agent (NIXL agents are not thread-safe in their default sync mode). It loads the CTX
+agent's metadata once per agent, posts one READ from remote blocks into local ones and polls
+it to completion; then the PullAck releases the lease.
 
 UCX picks its transports from the environment when the agent is created. If the user has not
 set them, this module sets UCX_TLS=tcp and, for a loopback host, UCX_NET_DEVICES=lo: that
@@ -19,44 +19,23 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
-import queue
 import socket
-import threading
 import time
 import uuid
-from typing import Callable
 
 import msgspec
 import numpy as np
 import torch
-import zmq
 
-from splitserve.kv.base import KVTransport, LeaseView, PullResult, check_pull, register
+from splitserve.kv.base import LeaseView, register
+from splitserve.kv.messages import NixlPullReply
+from splitserve.kv.zmq_pull import ZmqPullTransport
 from splitserve.protocol.engine import KVHandle
 
 logger = logging.getLogger(__name__)
 
 INSTALL_HINT = ("the nixl KV backend needs the nixl package: install torch first, then "
                 "`pip install nixl==1.5.1`; or use the built-in tcp backend")
-
-
-class LookupRequest(msgspec.Struct, tag="nixl-lookup"):
-    ctx_request_id: str
-    layout: str
-    num_blocks: int
-
-
-class LookupAck(msgspec.Struct, tag="nixl-ack"):
-    ctx_request_id: str
-
-
-class LookupReply(msgspec.Struct):
-    error: str | None = None
-    agent_name: str = ""
-    agent_metadata: bytes = b""
-    base_addr: int = 0            # the CTX's KV cache: block b starts at base + b * block_bytes
-    block_bytes: int = 0
-    block_ids: list[int] = []
 
 
 def _import_nixl():
@@ -112,124 +91,52 @@ def _descs(base: int, block_bytes: int, starts, counts) -> np.ndarray:
 
 
 @register("nixl")
-class NixlTransport(KVTransport):
+class NixlTransport(ZmqPullTransport):
+    reply_type = NixlPullReply
+
     def __init__(self, kv_cache: torch.Tensor, layout: str, host: str = "127.0.0.1",
                  port: int = 0, timeout: float = 30.0):
-        super().__init__(kv_cache, layout)
+        # The agent before the ZeroMQ context (super().__init__): a failure leaves no context open.
         nixl = _import_nixl()
         assert kv_cache.is_contiguous() and kv_cache.device.type == "cpu"
-        self.host, self.port, self.timeout = host, port, timeout
         self.block_nbytes = kv_cache[0].numel() * kv_cache.element_size()
         _default_ucx_env(host)
         self.agent_name = f"splitserve-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.agent = _make_agent(nixl, self.agent_name)
         self.reg = self.agent.register_memory(kv_cache)          # one region: the whole cache
         self.metadata = self.agent.get_agent_metadata()          # after registering: includes it
-        self.ctx = zmq.Context()
-        self.jobs: queue.Queue = queue.Queue()
-        self.endpoint = ""
         self._remote: dict[str, str] = {}                        # endpoint -> loaded agent name
-        self._stop = threading.Event()
-        self._threads: list[threading.Thread] = []
+        super().__init__(kv_cache, layout, host, port, timeout)
 
     # -- CTX side -------------------------------------------------------------------------
     def start(self, leases: LeaseView) -> str:
-        sock = self.ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
-        if self.port:
-            sock.bind(f"tcp://{self.host}:{self.port}")
-            port = self.port
-        else:
-            port = sock.bind_to_random_port(f"tcp://{self.host}")
-        self.endpoint = f"tcp://{self.host}:{port}"
-        self._threads = [
-            threading.Thread(target=self._serve, args=(sock, leases), daemon=True,
-                             name="kv-nixl-serve"),
-            threading.Thread(target=self._pull_loop, daemon=True, name="kv-nixl-pull")]
-        for t in self._threads:
-            t.start()
+        endpoint = super().start(leases)
         logger.info("kv-nixl: agent %s (UCX_TLS=%s UCX_NET_DEVICES=%s)", self.agent_name,
                     os.environ.get("UCX_TLS"), os.environ.get("UCX_NET_DEVICES", "all"))
-        return self.endpoint
+        return endpoint
 
-    def _serve(self, sock: zmq.Socket, leases: LeaseView) -> None:
-        decoder = msgspec.msgpack.Decoder(LookupRequest | LookupAck)
-        try:
-            while not self._stop.is_set():
-                if not sock.poll(200):
-                    continue
-                ident, payload = sock.recv_multipart()
-                try:
-                    msg = decoder.decode(payload)
-                except msgspec.DecodeError:
-                    logger.warning("kv-nixl: dropped an undecodable message")
-                    continue
-                if isinstance(msg, LookupAck):
-                    leases.release(msg.ctx_request_id)
-                    continue
-                sock.send_multipart([ident, msgspec.msgpack.encode(self._answer(msg, leases))])
-        finally:
-            sock.close(linger=0)
-
-    def _answer(self, msg: LookupRequest, leases: LeaseView) -> LookupReply:
-        error, blocks = check_pull(leases, self.layout, msg.ctx_request_id, msg.layout,
-                                   msg.num_blocks)
-        if error is not None:
-            return LookupReply(error=error)
-        return LookupReply(agent_name=self.agent_name, agent_metadata=self.metadata,
-                           base_addr=self.kv_cache.data_ptr(), block_bytes=self.block_nbytes,
-                           block_ids=list(blocks))
+    def _offer(self, blocks: list[int]) -> list:
+        return [msgspec.msgpack.encode(NixlPullReply(
+            agent_name=self.agent_name, agent_metadata=self.metadata,
+            base_addr=self.kv_cache.data_ptr(), block_bytes=self.block_nbytes,
+            block_ids=list(blocks)))]
 
     def agent_metadata(self) -> bytes:
-        # The lookup carries the metadata, so KVHandles (relayed per request by the
-        # orchestrator) stay small.
+        # The reply to a PullRequest carries the metadata, so KVHandles (relayed per request
+        # by the orchestrator) stay small.
         return b""
 
     # -- GEN side -------------------------------------------------------------------------
-    def pull(self, handle: KVHandle, dst_blocks: list[int], done: Callable[[PullResult], None]) -> None:
-        self.jobs.put((handle, dst_blocks, done))
-
-    def _pull_loop(self) -> None:
-        socks: dict[str, zmq.Socket] = {}
-        while not self._stop.is_set():
-            try:
-                handle, dst, done = self.jobs.get(timeout=0.2)
-            except queue.Empty:
-                continue
-            t0 = time.perf_counter()
-            try:
-                nbytes = self._pull_one(socks, handle, dst, t0 + self.timeout)
-                result = PullResult(True, nbytes=nbytes, seconds=time.perf_counter() - t0)
-            except Exception as exc:   # any failure ends this request, never the thread
-                result = PullResult(False, error=str(exc), seconds=time.perf_counter() - t0)
-            done(result)
-        for sock in socks.values():
-            sock.close(linger=0)
-
-    def _pull_one(self, socks: dict, handle: KVHandle, dst: list[int], deadline: float) -> int:
-        sock = socks.get(handle.endpoint)
-        if sock is None:
-            sock = socks[handle.endpoint] = self.ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(handle.endpoint)
-        sock.send(msgspec.msgpack.encode(LookupRequest(handle.ctx_request_id, self.layout, len(dst))))
-        if not sock.poll(max(0, int((deadline - time.perf_counter()) * 1000))):
-            sock.close()   # a late reply must not be read as the answer to the next pull
-            del socks[handle.endpoint]
-            raise TimeoutError(f"context worker KV server {handle.endpoint} did not answer "
-                               f"within {self.timeout:.0f} s")
-        reply = msgspec.msgpack.decode(sock.recv(), type=LookupReply)
-        if reply.error is not None:
-            raise RuntimeError(reply.error)
+    def _receive(self, handle: KVHandle, reply: NixlPullReply, frames: list, dst: list[int],
+                 deadline: float) -> int:
         if reply.block_bytes != self.block_nbytes or len(reply.block_ids) != len(dst):
             raise RuntimeError(f"context worker offers {len(reply.block_ids)} blocks of "
                                f"{reply.block_bytes} bytes, expected {len(dst)} of {self.block_nbytes}")
         if dst:
             self._read(self._remote_agent(handle.endpoint, reply), reply, dst, deadline)
-        sock.send(msgspec.msgpack.encode(LookupAck(handle.ctx_request_id)))
         return len(dst) * self.block_nbytes
 
-    def _remote_agent(self, endpoint: str, reply: LookupReply) -> str:
+    def _remote_agent(self, endpoint: str, reply: NixlPullReply) -> str:
         """Loads the CTX agent's metadata once; a restarted CTX comes back with a new name."""
         known = self._remote.get(endpoint)
         if known != reply.agent_name:
@@ -247,7 +154,7 @@ class NixlTransport(KVTransport):
             except Exception as exc:
                 logger.warning("kv-nixl: could not drop remote agent %s: %s", name, exc)
 
-    def _read(self, remote: str, reply: LookupReply, dst: list[int], deadline: float) -> None:
+    def _read(self, remote: str, reply: NixlPullReply, dst: list[int], deadline: float) -> None:
         """One READ of every run of blocks; returns once the bytes are in the local cache."""
         srcs, dsts, counts = zip(*block_runs(reply.block_ids, dst))
         local = self.agent.get_xfer_descs(
@@ -297,12 +204,7 @@ class NixlTransport(KVTransport):
                 logger.error("kv-nixl: a READ from %s is still not released: %s", remote, exc)
 
     def close(self) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(timeout=5)
-        while not self.jobs.empty():   # every pull gets its done() call, even at shutdown
-            self.jobs.get()[2](PullResult(False, error="the KV transport was closed"))
+        super().close()   # joins the pull thread first: it alone calls the agent
         for endpoint in list(self._remote):
             self._forget(endpoint)
         self.agent.deregister_memory(self.reg)
-        self.ctx.destroy(linger=0)

@@ -1,0 +1,37 @@
+"""What GEN and CTX say to each other to pull a lease's KV (msgpack over ZeroMQ).
+
+GEN -> CTX: a PullRequest, and a PullAck once the bytes are in its own blocks. CTX -> GEN:
+one reply per PullRequest; `error` set means nothing is offered. Both ends of a pull run the
+same backend, so each backend's reply type is read only by that backend.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class PullRequest(msgspec.Struct, tag="pull"):
+    ctx_request_id: str
+    layout: str         # the GEN's kv.base.layout_fingerprint(): must equal the CTX's
+    num_blocks: int     # blocks the GEN allocated for the prompt
+
+
+class PullAck(msgspec.Struct, tag="ack"):
+    """The GEN has the bytes: the CTX may free the lease's blocks."""
+    ctx_request_id: str
+
+
+class TcpPullReply(msgspec.Struct):
+    """Followed by num_blocks frames, one block's bytes each."""
+    error: str | None = None
+    num_blocks: int = 0
+
+
+class NixlPullReply(msgspec.Struct):
+    """Where the blocks are, for the GEN's NIXL agent to read them."""
+    error: str | None = None
+    agent_name: str = ""
+    agent_metadata: bytes = b""
+    base_addr: int = 0            # the CTX's KV cache: block b starts at base + b * block_bytes
+    block_bytes: int = 0
+    block_ids: list[int] = []
