@@ -60,6 +60,7 @@ class CompletionDelta(msgspec.Struct, omit_defaults=True):
     kv_handle: KVHandle | None = None                    # context_only: KV left for a GEN to pull
     kv_transfer_time: float = 0.0                        # generation_only: seconds to pull the KV
     admit_time: float = 0.0                              # wall clock the engine process received it
+    received: float = 0.0     # front-end only: wall clock its EngineOutputs arrived (not sent)
 
 
 # -- front-end -> engine core ----------------------------------------------------------------

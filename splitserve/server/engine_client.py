@@ -40,17 +40,20 @@ class EngineDeadError(RuntimeError):
 
 class DeltaQueue:
     """One request's deltas: what asyncio.Queue does for a single consumer, unbounded,
-    without its bookkeeping (most requests see one or a few deltas)."""
+    without its bookkeeping. Not eager (a response sent whole): the consumer is woken only
+    when a sequence finishes, not once per engine step, and then drains every delta."""
 
-    __slots__ = ("_items", "_waiter")
+    __slots__ = ("_items", "_waiter", "_eager")
 
-    def __init__(self):
+    def __init__(self, eager: bool = True):
         self._items: collections.deque[CompletionDelta] = collections.deque()
         self._waiter: asyncio.Future | None = None
+        self._eager = eager
 
     def put_nowait(self, delta: CompletionDelta) -> None:
         self._items.append(delta)
-        if self._waiter is not None and not self._waiter.done():
+        if (self._waiter is not None and (self._eager or delta.finish_reason is not None)
+                and not self._waiter.done()):
             self._waiter.set_result(None)
 
     async def get(self) -> CompletionDelta:
@@ -115,9 +118,11 @@ class EngineClient:
             msg = decoder.decode(await self.out_sock.recv())
             if isinstance(msg, EngineOutputs):
                 self.stats = msg.stats
+                now = time.time()
                 for delta in msg.deltas:
                     q = self.queues.get(delta.request_id)
                     if q is not None:
+                        delta.received = now   # latency metrics use this, not when it is read
                         q.put_nowait(delta)
             elif isinstance(msg, EngineDead):
                 self._fail_all(msg.reason)
@@ -138,12 +143,14 @@ class EngineClient:
     # -- requests -------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt: PromptTokens, params: SamplingParams,
                        arrival_time: float | None = None, context_only: bool = False,
-                       remote: RemotePrefill | None = None) -> AsyncIterator[CompletionDelta]:
-        """Yields the request's deltas until all n sequences finished. Leaving early (the
-        client went away, the task was cancelled) aborts the request in the engine."""
+                       remote: RemotePrefill | None = None, stream: bool = True,
+                       ) -> AsyncIterator[CompletionDelta]:
+        """Yields the request's deltas until all n sequences finished; stream=False yields
+        them in bursts, when a sequence finishes. Leaving early (the client went away, the
+        task was cancelled) aborts the request in the engine."""
         if not self.healthy:
             raise EngineDeadError(self.dead_reason or "engine not started")
-        q = self.queues[request_id] = DeltaQueue()
+        q = self.queues[request_id] = DeltaQueue(eager=stream)
         msg = AddRequest(request_id, params, len(prompt), prompt.is_placeholder,
                          arrival_time or time.time(), context_only, remote)
         frame = b"" if prompt.is_placeholder else memoryview(prompt.array).cast("B")

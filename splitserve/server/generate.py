@@ -112,8 +112,8 @@ class GenerateHandlers:
         chat = isinstance(req, ChatCompletionRequest)
         rid = response_id(chat)
         kwargs = dict(token_text=self.server.token_text, echo=echo, request_id=rid)
-        deltas = self._observe(self._merged(rid, prompts, params, arrival, context_only, remote),
-                               arrival, remote is not None)
+        deltas = self._observe(self._merged(rid, prompts, params, arrival, context_only, remote,
+                                            req.stream), arrival, remote is not None)
         if req.stream:
             return await self._stream(request, req, deltas, kwargs)
         acc = ResponseAccumulator(req, self.server.model_name, num_prompts=len(prompts), **kwargs)
@@ -154,18 +154,20 @@ class GenerateHandlers:
 
     async def _merged(self, rid: str, prompts: list[PromptTokens], params: SamplingParams,
                       arrival: float, context_only: bool = False, remote=None,
-                      ) -> AsyncIterator[tuple[int, CompletionDelta]]:
+                      stream: bool = True) -> AsyncIterator[tuple[int, CompletionDelta]]:
         """(prompt index, delta) of every prompt's engine request, as they come."""
         engine = self.server.engine
         if len(prompts) == 1:
-            async for delta in engine.generate(rid, prompts[0], params, arrival, context_only, remote):
+            async for delta in engine.generate(rid, prompts[0], params, arrival, context_only,
+                                               remote, stream):
                 yield 0, delta
             return
         q: asyncio.Queue = asyncio.Queue()
 
         async def pump(i: int, prompt: PromptTokens) -> None:
             try:
-                async for delta in engine.generate(f"{rid}-{i}", prompt, params, arrival):
+                async for delta in engine.generate(f"{rid}-{i}", prompt, params, arrival,
+                                                   stream=stream):
                     q.put_nowait((i, delta))
             finally:
                 q.put_nowait((i, None))
@@ -188,7 +190,7 @@ class GenerateHandlers:
         last: dict[tuple[int, int], float] = {}
         async with aclosing(deltas):
             async for i, delta in deltas:
-                now = time.time()
+                now = delta.received or time.time()
                 if delta.token_ids:
                     prev = last.get((i, delta.index))
                     if prev is None:
