@@ -15,8 +15,10 @@ from typing import Iterator, Sequence
 # 1 ms .. 60 s: covers a decode step on a GPU up to a long prefill on a CPU.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75,
                    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 30.0, 60.0)
-# 10 us .. 60 s: front-end stages whose cost on an idle loop is well below a millisecond.
-FINE_LATENCY_BUCKETS = (1e-5, 2.5e-5, 5e-5, 7.5e-5, 1e-4, 2.5e-4, 5e-4, 7.5e-4) + LATENCY_BUCKETS
+# 10 us .. 60 s, eight bounds per decade: front-end stages whose cost on an idle loop is well
+# below a millisecond, and whose percentiles are read against millisecond targets.
+FINE_LATENCY_BUCKETS = tuple(round(m * 10.0 ** e, 12) for e in range(-5, 2)
+                             for m in (1, 1.5, 2, 3, 4, 5, 6, 7.5)) + (100.0,)
 
 
 class _Metric:
