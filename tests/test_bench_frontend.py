@@ -2,6 +2,7 @@
 benchmark's target) and one that does not (which the benchmark must refuse). No timing
 ratios are asserted: the machine is shared and noisy."""
 
+import asyncio
 import json
 
 import pytest
@@ -95,3 +96,29 @@ def test_held_requests_cycle_through_lengths_around_max_tokens():
     assert len(set(lengths)) == 16 and min(lengths) == 32 and max(lengths) == 96
     assert abs(sum(lengths) / len(lengths) - 64) <= 1
     assert all(b["ignore_eos"] and b["disaggregated_params"]["prompt_len"] == 64 for b in held)
+
+
+def test_raw_client_reads_chunked_and_sized_answers_and_stamps_the_write():
+    from splitserve.bench.raw_http import HTTPConnection
+    seen = []
+
+    async def serve(reader, writer):
+        while head := await reader.readuntil(b"\r\n\r\n"):
+            fields = dict(line.split(b": ", 1) for line in head[:-4].split(b"\r\n")[1:])
+            seen.append((float(fields[b"X-Sent-At"]), await reader.readexactly(
+                int(fields[b"Content-Length"]))))
+            writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+                         b"3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n" if len(seen) == 1 else
+                         b"HTTP/1.1 404 Not Found\r\nContent-Length: 2\r\n\r\nno")
+
+    async def main():
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        conn = await HTTPConnection.open("http://127.0.0.1:%d" % server.sockets[0].getsockname()[1])
+        first = await conn.post("/v1/completions", b"{}")
+        second = await conn.post("/v1/completions", b"[1]")     # same keep-alive connection
+        conn.close()
+        server.close()
+        return first, second
+    (s1, b1, t1), (s2, b2, t2) = asyncio.run(main())
+    assert (s1, b1, s2, b2) == (200, b"abcde", 404, b"no")
+    assert seen == [(t1, b"{}"), (t2, b"[1]")]

@@ -1,5 +1,6 @@
 """The load generator of `splitserve bench frontend`: pre-built generation_only bodies sent
-at fixed concurrency over warm keep-alive connections, from a process of its own."""
+at fixed concurrency over keep-alive connections (raw_http.py: X-Sent-At is stamped as the
+request is written), from a process of its own."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import msgspec
 import numpy as np
 
 from splitserve.bench.frontend_config import BenchError
+from splitserve.bench.raw_http import HTTPConnection
 
 FIRST_TOKEN = 42                       # first_gen_tokens: any id of the vocabulary
 _MARK = b"@CTX_REQUEST_ID@"            # where each request's unique ctx_request_id goes
@@ -68,14 +70,6 @@ class _Answer(msgspec.Struct):
 _ANSWER = msgspec.json.Decoder(_Answer)
 
 
-async def _open_connections(http: aiohttp.ClientSession, url: str, n: int) -> None:
-    """n keep-alive connections, opened by concurrent GET /health before the measurement."""
-    async def one():
-        async with http.get(url + "/health") as resp:
-            await resp.read()
-    await asyncio.gather(*(one() for _ in range(n)))
-
-
 def body_variants(target: Target, mode: str, isl: int, max_tokens: int) -> list[list[bytes]]:
     """The bodies a run cycles through. max_tokens > 1: 16 lengths spread evenly around it
     (mean max_tokens), so held requests finish at different steps and the closed loop does
@@ -89,24 +83,25 @@ def body_variants(target: Target, mode: str, isl: int, max_tokens: int) -> list[
 async def drive(spec: RunSpec, variants: list[list[bytes]]) -> dict:
     """One run: warm connections, /metrics, the requests at fixed concurrency, /metrics."""
     url = spec.target.url.rstrip("/")
-    connector = aiohttp.TCPConnector(limit=spec.concurrency, limit_per_host=spec.concurrency)
-    timeout = aiohttp.ClientTimeout(total=spec.timeout)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
-        await _open_connections(http, url, spec.concurrency)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
         before = await _scrape(http, url)
+        conns = await asyncio.gather(*(HTTPConnection.open(url) for _ in range(spec.concurrency)))
         latencies, failures = [], []
         todo = iter(range(spec.num_requests))    # shared: each index is taken once
         deadline = time.monotonic() + spec.duration
 
-        async def sender():
+        async def sender(conn: HTTPConnection):
             for i in todo:
                 if time.monotonic() > deadline:
-                    return
+                    break
                 rid = b"bench-%d-%d" % (os.getpid(), i)
                 body = rid.join(variants[i % len(variants)])
-                await _send(http, url, body, spec.isl, latencies, failures)
+                if not await _send(conn, body, spec, latencies, failures):
+                    conn.close()      # a failed connection is replaced
+                    conn = await HTTPConnection.open(url)
+            conn.close()
         start, cpu = time.perf_counter(), time.process_time()
-        await asyncio.gather(*(sender() for _ in range(spec.concurrency)))
+        await asyncio.gather(*(sender(c) for c in conns))
         elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
         after = await _scrape(http, url)
     return {"latencies_s": latencies, "failures": failures[:5], "num_failed": len(failures),
@@ -114,27 +109,28 @@ async def drive(spec: RunSpec, variants: list[list[bytes]]) -> dict:
             "metrics_before": before, "metrics_after": after}
 
 
-async def _send(http, url: str, body: bytes, isl: int, latencies: list, failures: list) -> None:
+async def _send(conn: HTTPConnection, body: bytes, spec: RunSpec, latencies: list,
+                failures: list) -> bool:
+    """One request; False if the connection failed."""
     t0 = time.perf_counter()
-    headers = {"Content-Type": "application/json", "X-Sent-At": repr(time.time())}
     try:
-        async with http.post(url + "/v1/completions", data=body, headers=headers) as resp:
-            data = await resp.read()
-    except (aiohttp.ClientError, TimeoutError) as exc:
+        status, data, _ = await asyncio.wait_for(conn.post("/v1/completions", body), spec.timeout)
+    except (ConnectionError, OSError, TimeoutError) as exc:
         failures.append(f"{type(exc).__name__}: {exc}")
-        return
+        return False
     elapsed = time.perf_counter() - t0
-    if resp.status != 200:
-        failures.append(f"HTTP {resp.status}: {data[:300].decode(errors='replace')}")
-        return
+    if status != 200:
+        failures.append(f"HTTP {status}: {data[:300].decode(errors='replace')}")
+        return True
     try:
         got = _ANSWER.decode(data).usage.prompt_tokens
     except msgspec.DecodeError as exc:
         got = f"an unreadable answer ({exc})"
-    if got != isl:
-        failures.append(f"usage.prompt_tokens is {got}, not the relayed {isl}")
-        return
+    if got != spec.isl:
+        failures.append(f"usage.prompt_tokens is {got}, not the relayed {spec.isl}")
+        return True
     latencies.append(elapsed)
+    return True
 
 
 async def _scrape(http: aiohttp.ClientSession, url: str) -> str:
