@@ -79,6 +79,7 @@ class EngineClient:
         self.dead_reason: str | None = None
         self.process: multiprocessing.Process | None = None
         self._tasks: list[asyncio.Task] = []
+        self._reader_fd: int | None = None
         self._encoder = msgspec.msgpack.Encoder()
         self._outbox: list[tuple[AddRequest, memoryview | bytes]] = []
 
@@ -109,23 +110,38 @@ class EngineClient:
         if isinstance(first, EngineDead):
             raise EngineDeadError(first.reason)
         self.ready = first
-        self._tasks = [asyncio.create_task(self._output_loop(decoder)),
-                       asyncio.create_task(self._watch_process())]
+        self._start_reader(decoder)
+        self._tasks = [asyncio.create_task(self._watch_process())]
         return first
 
-    async def _output_loop(self, decoder) -> None:
-        while True:
-            msg = decoder.decode(await self.out_sock.recv())
-            if isinstance(msg, EngineOutputs):
-                self.stats = msg.stats
-                now = time.time()
-                for delta in msg.deltas:
-                    q = self.queues.get(delta.request_id)
-                    if q is not None:
-                        delta.received = now   # latency metrics use this, not when it is read
-                        q.put_nowait(delta)
-            elif isinstance(msg, EngineDead):
-                self._fail_all(msg.reason)
+    def _start_reader(self, decoder) -> None:
+        """Engine outputs are read by a callback on the socket's file descriptor, not by
+        awaiting pyzmq futures: one wake-up drains every message that arrived. ZeroMQ's
+        descriptor is edge-triggered, so each wake-up reads until nothing is left."""
+        sock = zmq.Socket.shadow(self.out_sock.underlying)
+
+        def on_readable() -> None:
+            try:
+                while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    self._dispatch(decoder.decode(sock.recv(zmq.NOBLOCK)))
+            except Exception:   # a bad message must not stop the reader
+                logger.exception("%s: engine output dropped", self.log_prefix)
+        loop = asyncio.get_running_loop()
+        self._reader_fd = sock.getsockopt(zmq.FD)
+        loop.add_reader(self._reader_fd, on_readable)
+        loop.call_soon(on_readable)   # what arrived before the reader was registered
+
+    def _dispatch(self, msg) -> None:
+        if isinstance(msg, EngineOutputs):
+            self.stats = msg.stats
+            now = time.time()
+            for delta in msg.deltas:
+                q = self.queues.get(delta.request_id)
+                if q is not None:
+                    delta.received = now   # latency metrics use this, not when it is read
+                    q.put_nowait(delta)
+        elif isinstance(msg, EngineDead):
+            self._fail_all(msg.reason)
 
     async def _watch_process(self) -> None:
         while self.process.is_alive():
@@ -185,6 +201,9 @@ class EngineClient:
     async def shutdown(self, timeout: float = 10.0) -> None:
         for task in self._tasks:
             task.cancel()
+        if self._reader_fd is not None:
+            asyncio.get_running_loop().remove_reader(self._reader_fd)
+            self._reader_fd = None
         if self.process is not None and self.process.is_alive():
             try:
                 self.in_sock.send(self._encoder.encode(Shutdown()), zmq.NOBLOCK)
