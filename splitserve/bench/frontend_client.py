@@ -85,7 +85,7 @@ async def drive(spec: RunSpec, variants: list[list[bytes]]) -> dict:
     url = spec.target.url.rstrip("/")
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
         before = await _scrape(http, url)
-        conns = await asyncio.gather(*(HTTPConnection.open(url) for _ in range(spec.concurrency)))
+        conns = await _connect(url, spec.concurrency)
         latencies, failures = [], []
         todo = iter(range(spec.num_requests))    # shared: each index is taken once
         deadline = time.monotonic() + spec.duration
@@ -107,6 +107,19 @@ async def drive(spec: RunSpec, variants: list[list[bytes]]) -> dict:
     return {"latencies_s": latencies, "failures": failures[:5], "num_failed": len(failures),
             "duration_s": elapsed, "client_cpu_s": cpu, "body_bytes": len(b"bench-0-0".join(variants[0])),
             "metrics_before": before, "metrics_after": after}
+
+
+async def _connect(url: str, n: int, wave: int = 100) -> list[HTTPConnection]:
+    """n keep-alive connections, each proven by a GET /health, opened in waves that a
+    listen backlog absorbs (a thousand at once may overflow it and be reset later)."""
+    conns: list[HTTPConnection] = []
+    while len(conns) < n:
+        new = await asyncio.gather(*(HTTPConnection.open(url) for _ in range(min(wave, n - len(conns)))))
+        for status, _, _ in await asyncio.gather(*(c.request(b"GET", "/health") for c in new)):
+            if status != 200:
+                raise ConnectionError(f"GET /health answered {status}")
+        conns += new
+    return conns
 
 
 async def _send(conn: HTTPConnection, body: bytes, spec: RunSpec, latencies: list,

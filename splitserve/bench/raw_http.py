@@ -34,10 +34,14 @@ class HTTPConnection:
     async def post(self, path: str, body: bytes,
                    content_type: bytes = b"application/json") -> tuple[int, bytes, float]:
         """-> (status, body, X-Sent-At). Raises ConnectionError if the connection fails."""
+        return await self.request(b"POST", path, body, content_type)
+
+    async def request(self, method: bytes, path: str, body: bytes = b"",
+                      content_type: bytes = b"application/json") -> tuple[int, bytes, float]:
         sent_at = time.time()
-        self.writer.write(b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: %s\r\n"
+        self.writer.write(b"%s %s HTTP/1.1\r\nHost: %s\r\nContent-Type: %s\r\n"
                           b"Content-Length: %d\r\nX-Sent-At: %r\r\n\r\n"
-                          % (path.encode(), self.host, content_type, len(body), sent_at))
+                          % (method, path.encode(), self.host, content_type, len(body), sent_at))
         self.writer.write(body)
         try:
             await self.writer.drain()

@@ -15,6 +15,7 @@ from splitserve.errors import InvalidRequestError
 from splitserve.orchestrator import relay
 from splitserve.orchestrator.cluster import ClusterConfig, Server
 from splitserve.orchestrator.routers import make_router
+from splitserve.server.config import LISTEN_BACKLOG
 from splitserve.server.metrics import Counter, Histogram, Registry
 from splitserve.signals import wait_for_stop_signal
 
@@ -199,7 +200,8 @@ class Orchestrator:
         gc.freeze()   # long-lived objects out of full GC passes (event-loop stalls)
         runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
         await runner.setup()
-        await web.TCPSite(runner, self.config.host, self.config.port).start()
+        # backlog: connections a burst may open before the loop accepts them
+        await web.TCPSite(runner, self.config.host, self.config.port, backlog=LISTEN_BACKLOG).start()
         logger.info("orch: serving on http://%s:%d (ctx: %s; gen: %s)", self.config.host,
                     self.config.port, ", ".join(s.url for s in self.ctx.servers),
                     ", ".join(s.url for s in self.gen.servers))

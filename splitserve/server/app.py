@@ -15,7 +15,7 @@ from aiohttp import web
 from splitserve.errors import InvalidRequestError
 from splitserve.model.loader import load_model_source
 from splitserve.protocol.openai import error_body
-from splitserve.server.config import ServerConfig
+from splitserve.server.config import LISTEN_BACKLOG, ServerConfig
 from splitserve.server.engine_client import EngineClient, EngineDeadError
 from splitserve.server.generate import GenerateHandlers
 from splitserve.server.metrics import ServerMetrics
@@ -155,7 +155,8 @@ class WorkerServer:
         gc.freeze()
         runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
         await runner.setup()
-        await web.TCPSite(runner, self.config.host, self.config.port).start()
+        # backlog: connections a burst may open before the loop accepts them
+        await web.TCPSite(runner, self.config.host, self.config.port, backlog=LISTEN_BACKLOG).start()
         logger.info("%s: serving %s (%s) on http://%s:%d", self.config.log_prefix, ready.model_name,
                     ready.dtype, self.config.host, self.config.port)
         return runner

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from splitserve.config import EngineConfig
 
 ROLES = ("agg", "ctx", "gen")
+# listen(2) backlog of every HTTP server here, as uvicorn and gunicorn default to
+LISTEN_BACKLOG = 2048
 
 
 @dataclass(frozen=True)
