@@ -21,12 +21,17 @@ from splitserve.bench.report_config import ReportConfig
 from splitserve.bench.report_disagg import DISAGG, disagg
 from splitserve.bench.report_engine import ENGINE, engine
 from splitserve.bench.report_frontend import FRONTEND, frontend
-from splitserve.bench.report_machine import LoadProbe, git_commit, machine, machine_line
+from splitserve.bench.report_machine import (LoadProbe, git_commit, machine, machine_line,
+                                              speed_probe)
 from splitserve.bench.report_markdown import Section, failed, shown
 from splitserve.bench.report_steps import StepFailed, run_inprocess, tool
 from splitserve.bench.report_worker import WORKER, worker
 
 SECTIONS = ((ENGINE, engine), (WORKER, worker), (DISAGG, disagg), (FRONTEND, frontend))
+
+
+SPEED_NOTE = ("a fixed float32 matmul, the same work on every run: compare it across runs "
+              "before comparing their numbers")
 
 
 def header(cfg: ReportConfig, sections: list[Section], background: float, commit: str) -> str:
@@ -108,13 +113,15 @@ def run(args) -> int:
     t0, whole, sections, commit = time.monotonic(), LoadProbe(), [], git_commit()
     for title, build in SECTIONS:
         print(f"== {title}", file=sys.stderr, flush=True)
-        started, probe = time.monotonic(), LoadProbe()
+        started, probe, speed = time.monotonic(), LoadProbe(), speed_probe()
         try:
             section = build(cfg)
         except Exception as exc:   # noqa: BLE001 -- a failed section is reported, not fatal
             section = Section(title, failed(exc))
         section.body += (f"\n\n_This section took {time.monotonic() - started:.0f} s; other "
-                         f"processes kept {probe.cores():.1f} cores busy meanwhile._")
+                         f"processes kept {probe.cores():.1f} cores busy meanwhile; the "
+                         f"machine speed probe read {speed:.0f} GFLOP/s before it and "
+                         f"{speed_probe():.0f} after ({SPEED_NOTE})._")
         sections.append(section)
     elapsed = time.monotonic() - t0
     sections.append(howto(cfg, elapsed))

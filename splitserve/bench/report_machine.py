@@ -37,6 +37,20 @@ def machine() -> dict:
             "native_bf16": bool(flags & {"avx512_bf16", "amx_bf16"})}
 
 
+def speed_probe(seconds: float = 0.5) -> float:
+    """GFLOP/s of one fixed float32 matmul (512x576 by 576x3072, all cores) repeated for
+    about `seconds`. The same work every time: the shared VM's slow phases, which no
+    process count shows, show here as a lower number."""
+    import torch
+    a, b = torch.ones(512, 576), torch.ones(576, 3072)
+    torch.mm(a, b)
+    n, t0 = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - t0) < seconds:
+        torch.mm(a, b)
+        n += 1
+    return 2 * 512 * 576 * 3072 * n / elapsed / 1e9
+
+
 def machine_line() -> str:
     m = machine()
     bf16 = "yes" if m["native_bf16"] else "no (no AVX512-BF16, no AMX)"
