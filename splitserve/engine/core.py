@@ -61,8 +61,8 @@ class EngineCore:
 
     # -- requests in ----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: PromptTokens, params: SamplingParams,
-                    arrival_time: float | None = None, context_only: bool = False,
-                    remote: RemotePrefill | None = None, received_time: float | None = None) -> None:
+                    context_only: bool = False, remote: RemotePrefill | None = None,
+                    received_time: float | None = None) -> None:
         """Validate and queue; raises InvalidRequestError naming the problem.
         context_only: stop after the first token and lease the KV to a generation worker.
         remote: the prompt's KV is pulled from a context worker instead of computed."""
@@ -82,7 +82,7 @@ class EngineCore:
             if params.seed is not None and i:
                 child_params = _with_seed(params, params.seed + i)
             req = Request(f"{request_id}#{i}" if params.n > 1 else request_id, prompt, child_params,
-                          eos, self.max_model_len, arrival_time, received_time)
+                          eos, self.max_model_len, received_time)
             req.group_id, req.index = request_id, i
             children.append(req)
         leader, siblings = children[0], children[1:]

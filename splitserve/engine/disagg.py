@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import time
 
 from splitserve.config import KVTransferConfig
 from splitserve.engine.block_manager import BlockManager

@@ -60,19 +60,17 @@ class Request:
 
     def __init__(self, request_id: str, prompt: PromptTokens, params: SamplingParams,
                  eos_token_ids: tuple[int, ...] = (), max_model_len: int = 1 << 30,
-                 arrival_time: float | None = None, received_time: float | None = None):
-        """arrival_time: time.monotonic() it arrived, default now. received_time: the wall
-        clock the engine process took it off its input socket, default now."""
+                 received_time: float | None = None):
+        """received_time: the wall clock the engine process took it off its input socket
+        (default now); waiting from then on for a step to end is queue time."""
         self.request_id = request_id
         self.prompt = prompt
         self.params = params
         self.eos_token_ids = eos_token_ids
-        wall, mono = time.time(), time.monotonic()
+        wall = time.time()
         # Wall clock, comparable with the front-end's: where front-end preprocessing ends.
         self.admit_time = wall if received_time is None else min(received_time, wall)
-        if arrival_time is None:
-            arrival_time = mono - (wall - self.admit_time)   # waiting for a step is queue time
-        self.arrival_time = arrival_time
+        self.arrival_time = time.monotonic() - (wall - self.admit_time)   # the same moment
         self.status = RequestStatus.WAITING
         self.first_scheduled_time: float | None = None   # for queue-time metrics
         self.output_token_ids: list[int] = []

@@ -69,7 +69,6 @@ class AddRequest(msgspec.Struct):
     params: SamplingParams
     prompt_len: int
     placeholder: bool = False          # length-only prompt: no token frame values
-    arrival_time: float = 0.0          # time.time() when the front-end received the request
     context_only: bool = False         # prefill, sample one token, lease the KV for a GEN
     remote: RemotePrefill | None = None   # generation_only: pull the KV, then decode
 

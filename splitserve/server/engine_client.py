@@ -1,6 +1,6 @@
 """The front-end's handle on its engine-core process: start it, submit, stream, abort.
 
-One asyncio task reads the engine's output socket and routes each CompletionDelta to the
+A callback on the output socket's file descriptor routes each CompletionDelta to the
 queue of its request. Requests go out batched: everything submitted during one event-loop
 turn leaves in one AddRequests message at the end of the turn, each prompt as a raw int32
 frame, so a burst of arrivals costs one ZeroMQ send, not one each.
@@ -158,17 +158,16 @@ class EngineClient:
 
     # -- requests -------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt: PromptTokens, params: SamplingParams,
-                       arrival_time: float | None = None, context_only: bool = False,
-                       remote: RemotePrefill | None = None, stream: bool = True,
-                       ) -> AsyncIterator[CompletionDelta]:
+                       context_only: bool = False, remote: RemotePrefill | None = None,
+                       stream: bool = True) -> AsyncIterator[CompletionDelta]:
         """Yields the request's deltas until all n sequences finished; stream=False yields
         them in bursts, when a sequence finishes. Leaving early (the client went away, the
         task was cancelled) aborts the request in the engine."""
         if not self.healthy:
             raise EngineDeadError(self.dead_reason or "engine not started")
         q = self.queues[request_id] = DeltaQueue(eager=stream)
-        msg = AddRequest(request_id, params, len(prompt), prompt.is_placeholder,
-                         arrival_time or time.time(), context_only, remote)
+        msg = AddRequest(request_id, params, len(prompt), prompt.is_placeholder, context_only,
+                         remote)
         frame = b"" if prompt.is_placeholder else memoryview(prompt.array).cast("B")
         open_seqs = params.n
         try:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from contextlib import aclosing
 from typing import AsyncIterator
@@ -112,7 +111,7 @@ class GenerateHandlers:
         chat = isinstance(req, ChatCompletionRequest)
         rid = response_id(chat)
         kwargs = dict(token_text=self.server.token_text, echo=echo, request_id=rid)
-        deltas = self._merged(rid, prompts, params, arrival, context_only, remote, req.stream)
+        deltas = self._merged(rid, prompts, params, context_only, remote, req.stream)
         observe = _Observer(self.server.metrics, arrival, remote is not None)
         if req.stream:
             return await self._stream(request, req, deltas, observe, kwargs)
@@ -155,21 +154,20 @@ class GenerateHandlers:
         return resp
 
     async def _merged(self, rid: str, prompts: list[PromptTokens], params: SamplingParams,
-                      arrival: float, context_only: bool = False, remote=None,
+                      context_only: bool = False, remote=None,
                       stream: bool = True) -> AsyncIterator[tuple[int, CompletionDelta]]:
         """(prompt index, delta) of every prompt's engine request, as they come."""
         engine = self.server.engine
         if len(prompts) == 1:
-            async for delta in engine.generate(rid, prompts[0], params, arrival, context_only,
-                                               remote, stream):
+            async for delta in engine.generate(rid, prompts[0], params, context_only, remote,
+                                               stream):
                 yield 0, delta
             return
         q: asyncio.Queue = asyncio.Queue()
 
         async def pump(i: int, prompt: PromptTokens) -> None:
             try:
-                async for delta in engine.generate(f"{rid}-{i}", prompt, params, arrival,
-                                                   stream=stream):
+                async for delta in engine.generate(f"{rid}-{i}", prompt, params, stream=stream):
                     q.put_nowait((i, delta))
             finally:
                 q.put_nowait((i, None))
