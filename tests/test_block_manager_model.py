@@ -54,8 +54,8 @@ class ModelBlocks:
                 self.free.append(b)
 
     def publish(self, req: Request) -> None:
-        for i in range(req.num_computed_tokens // BS):
-            b, h = req.block_ids[i], req.block_hashes[i]
+        n_full = req.num_computed_tokens // BS
+        for b, h in zip(req.block_ids[:n_full].tolist(), req.block_hashes[:n_full]):
             if b not in self.hash_of and h not in self.cached:
                 self.hash_of[b], self.cached[h] = h, b
 
@@ -67,13 +67,14 @@ class BlockManagerMatchesModel(RuleBasedStateMachine):
         self.model = ModelBlocks()
         self.running: list[Request] = []
 
-    def _allocate(self, r: Request, n: int, hits: list[int]) -> bool:
+    def _allocate(self, r: Request, n: int, hits: np.ndarray) -> bool:
         total = r.num_computed_tokens + len(hits) * BS + n
         need = max(-(-total // BS) - len(r.block_ids) - len(hits), 0)
-        expected = self.model.allocate(hits, need)
-        before = list(r.block_ids)
+        expected = self.model.allocate(hits.tolist(), need)
+        before = r.block_ids.tolist()
         assert self.bm.allocate(r, n, hits) == (expected is not None)
-        assert r.block_ids == before + (expected or [])
+        assert r.block_ids.dtype == np.int64
+        assert r.block_ids.tolist() == before + (expected or [])
         if expected is not None:
             r.num_computed_tokens = total
             self.bm.cache_full_blocks(r)
@@ -84,9 +85,9 @@ class BlockManagerMatchesModel(RuleBasedStateMachine):
     def admit(self, base, length, use_cache):
         r = Request(f"r{len(self.running)}", PromptTokens.from_list(BASES[base][:length]),
                     SamplingParams())
-        hits = self.bm.find_cached_prefix(r) if use_cache else []
+        hits = self.bm.find_cached_prefix(r) if use_cache else np.empty(0, np.int64)
         if use_cache:
-            assert hits == self.model.hits(r.block_hashes[:(length - 1) // BS])
+            assert hits.tolist() == self.model.hits(r.block_hashes[:(length - 1) // BS])
         if self._allocate(r, length - len(hits) * BS, hits):
             self.running.append(r)
 
@@ -95,14 +96,14 @@ class BlockManagerMatchesModel(RuleBasedStateMachine):
     def decode(self, i, token):
         r = self.running[i % len(self.running)]
         r.output_token_ids.append(token)
-        if not self._allocate(r, 1, []):
+        if not self._allocate(r, 1, np.empty(0, np.int64)):
             r.output_token_ids.pop()
 
     @precondition(lambda self: self.running)
     @rule(i=st.integers(0, 99))
     def finish(self, i):
         r = self.running.pop(i % len(self.running))
-        self.model.release(r.block_ids)
+        self.model.release(r.block_ids.tolist())
         self.bm.free(r)
 
     @precondition(lambda self: self.running and self.bm.num_free_blocks > 0)
@@ -113,9 +114,9 @@ class BlockManagerMatchesModel(RuleBasedStateMachine):
         child.output_token_ids = list(parent.output_token_ids)
         n_full = parent.num_computed_tokens // BS
         partial = len(parent.block_ids) > n_full
-        expected = self.model.allocate(parent.block_ids[:n_full], int(partial))
+        expected = self.model.allocate(parent.block_ids[:n_full].tolist(), int(partial))
         copy = self.bm.fork(parent, child)
-        assert child.block_ids == expected
+        assert child.block_ids.tolist() == expected
         assert copy == ((parent.block_ids[n_full], expected[-1]) if partial else None)
         child.num_computed_tokens = parent.num_computed_tokens
         self.running.append(child)

@@ -5,6 +5,7 @@ import queue
 import sys
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -33,7 +34,7 @@ def transports():
     # (num_blocks, layers, 2, block_size, kv_heads, head_dim)
     src = torch.randn(16, 2, 2, 4, 2, 8)
     dst = torch.zeros_like(src)
-    leases = Leases({"r": ([3, 4, 5, 9, 1], 20)})
+    leases = Leases({"r": (np.array([3, 4, 5, 9, 1]), 20)})
     ctx, gen = make_transport("nixl", src, "L"), make_transport("nixl", dst, "L", timeout=5.0)
     ctx.start(leases)
     gen.start(Leases({}))
@@ -52,7 +53,7 @@ def test_pull_copies_scattered_blocks_and_acks(transports):
     ctx, gen, leases = transports
     handle = KVHandle(backend="nixl", endpoint=ctx.endpoint, ctx_request_id="r", layout="L",
                       num_tokens=20)
-    result = pull(gen, handle, [7, 8, 0, 2, 15])
+    result = pull(gen, handle, np.array([7, 8, 0, 2, 15]))
     assert result.ok, result.error
     assert result.nbytes == 5 * gen.block_bytes(0).numel() and result.seconds > 0
     assert torch.equal(gen.kv_cache[[7, 8, 0, 2, 15]], ctx.kv_cache[[3, 4, 5, 9, 1]])
@@ -72,7 +73,7 @@ def test_lookup_errors_match_the_tcp_backend(transports, num_blocks, layout, err
                       num_tokens=20)
     gen.layout = layout   # the GEN sends its own layout; this one is private to the test
     try:
-        result = pull(gen, handle, list(range(num_blocks)))
+        result = pull(gen, handle, np.arange(num_blocks))
     finally:
         gen.layout = "L"
     assert not result.ok and error in result.error
@@ -88,18 +89,19 @@ def test_a_failed_read_ends_its_request_and_the_next_pull_reconnects(transports,
         patch.setattr(gen, "timeout", 0.3)
         patch.setattr(gen.agent, "transfer", lambda xfer: "PROC")   # never posted: cancellable
         patch.setattr(gen.agent, "check_xfer_state", lambda xfer: state)
-        result = pull(gen, handle, [0, 1, 2, 3, 4])
+        result = pull(gen, handle, np.arange(5))
     assert not result.ok and error in result.error
     assert gen._remote == {}   # the CTX agent was dropped; the next pull loads it again
     gen.kv_cache.zero_()
-    result = pull(gen, handle, [0, 1, 2, 3, 4])
+    result = pull(gen, handle, np.arange(5))
     assert result.ok, result.error
     assert torch.equal(gen.kv_cache[:5], ctx.kv_cache[[3, 4, 5, 9, 1]])
 
 
 def test_adjacent_blocks_share_one_descriptor():
-    assert block_runs([3, 4, 5, 9, 1], [7, 8, 9, 2, 3]) == [(3, 7, 3), (9, 2, 1), (1, 3, 1)]
-    assert block_runs([], []) == []
+    runs = block_runs(np.array([3, 4, 5, 9, 1]), np.array([7, 8, 9, 2, 3]))
+    assert [r.tolist() for r in runs] == [[3, 9, 1], [7, 2, 3], [3, 1, 1]]
+    assert [r.tolist() for r in block_runs(np.array([], np.int64), np.array([], np.int64))] == [[], [], []]
 
 
 def test_missing_nixl_says_how_to_install(monkeypatch):

@@ -86,7 +86,7 @@ def test_gather_returns_each_sequences_blocks_in_order():
 
 
 def test_decode_mask_is_additive_in_the_query_dtype():
-    meta = build_metadata(4, [([0, 1], 5)], [], None, torch.bfloat16)
+    meta = build_metadata(4, [(np.array([0, 1]), 5)], [], None, torch.bfloat16)
     assert meta.decode_mask.dtype == torch.bfloat16
     assert meta.decode_mask[0, 0, 0].tolist() == [0.0] * 6 + [float("-inf")] * 2
 
@@ -131,7 +131,7 @@ TOLERANCES = [("fp16", 2e-3, 1.0), ("int8", 0.12, 0.7)]
 def _logits(model, cfg, ids):
     """Teacher-forced (T, V) logits of one sequence through the paged model."""
     n_blocks = (len(ids) + 3) // 4
-    meta = build_metadata(4, [], [(list(range(n_blocks)), 0, len(ids))], None)
+    meta = build_metadata(4, [], [(np.arange(n_blocks), 0, len(ids))], None)
     kv = torch.zeros(n_blocks, cfg.num_layers, 2, 4, cfg.num_kv_heads, cfg.head_dim)
     return model.logits(model(torch.tensor(ids), torch.arange(len(ids)), kv, meta))
 

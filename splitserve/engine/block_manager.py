@@ -3,25 +3,24 @@
 Invariants: a block is either referenced (ref_count > 0, not in the free queue) or free
 (ref_count == 0, in the free queue). A free block may still hold a cached prefix; it stays
 findable by its hash until it is handed out again, oldest-freed first (LRU). A holder (a
-request or a KV lease) lists each of its blocks once, so a request's blocks are counted,
-queued and handed out with a few numpy operations rather than one Python step per block.
+request or a KV lease) keeps its blocks in an int64 array that lists each of them once and
+is replaced, never written in place; so a request's blocks are counted, queued and handed
+out with a few numpy operations rather than one Python step per block.
 """
 
 from __future__ import annotations
 
 import hashlib
-import struct
 
 import numpy as np
 
 from splitserve.engine.free_block_queue import FreeBlockQueue
-from splitserve.engine.request import Request
+from splitserve.engine.request import NO_BLOCKS, Request
 
 
-def _array(block_ids: list[int]) -> np.ndarray:
-    """Block ids as a read-only int64 array; struct reads a list of ints twice as fast as
-    np.fromiter or np.array."""
-    return np.frombuffer(struct.pack(f"{len(block_ids)}q", *block_ids), np.int64)
+def _extended(held: np.ndarray, more: np.ndarray) -> np.ndarray:
+    """A holder's new block array; a holder with none takes `more` itself, uncopied."""
+    return np.concatenate([held, more]) if len(held) else more
 
 
 def chain_hash(parent: bytes, tokens: np.ndarray) -> bytes:
@@ -65,11 +64,11 @@ class BlockManager:
             parent = req.block_hashes[-1] if req.block_hashes else b""
             req.block_hashes.append(chain_hash(parent, req.token_slice(i * bs, (i + 1) * bs)))
 
-    def find_cached_prefix(self, req: Request) -> list[int]:
+    def find_cached_prefix(self, req: Request) -> np.ndarray:
         """Blocks holding the longest cached prefix of req's tokens. At least one token is
         always left to compute, so the request has logits to sample from."""
         if not self.enable_prefix_caching or req.prompt.is_placeholder:
-            return []
+            return NO_BLOCKS
         self._extend_hashes(req, req.num_tokens)
         hits = []
         for h in req.block_hashes[: (req.num_tokens - 1) // self.block_size]:
@@ -79,7 +78,7 @@ class BlockManager:
             hits.append(block)
         self.prefix_queries += req.num_prompt_tokens
         self.prefix_hits += len(hits) * self.block_size
-        return hits
+        return np.array(hits, dtype=np.int64)
 
     def cache_full_blocks(self, req: Request) -> None:
         """Publish req's blocks that are full of computed KV under their chained hashes."""
@@ -87,43 +86,48 @@ class BlockManager:
             return
         n_full = req.num_computed_tokens // self.block_size
         self._extend_hashes(req, req.num_computed_tokens)
-        for i in range(n_full):
-            block, h = req.block_ids[i], req.block_hashes[i]
-            if self.block_hash[block] is None and h not in self.cached:
+        blocks = req.block_ids[:n_full]
+        # Runs every step: blocks that hold a hash already (published on an earlier step, or
+        # prefix hits) are skipped in bulk.
+        for i in np.flatnonzero(~self._hashed[blocks]).tolist():
+            block, h = int(blocks[i]), req.block_hashes[i]
+            if h not in self.cached:
                 self.block_hash[block] = h
                 self._hashed[block] = True
                 self.cached[h] = block
 
     # -- allocation -----------------------------------------------------------------------
-    def allocate(self, req: Request, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
+    def allocate(self, req: Request, num_new_tokens: int,
+                 cached_blocks: np.ndarray = NO_BLOCKS) -> bool:
         """Give req blocks for num_computed_tokens + num_new_tokens (after taking
         cached_blocks for its prefix). All or nothing: False leaves every count untouched."""
         have = len(req.block_ids) + len(cached_blocks)
         total = req.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens
         need = max(self.blocks_needed(total) - have, 0)
+        # The guards skip numpy calls on empty arrays: a decode step allocates for every
+        # running request and rarely needs a block.
         num_reused = 0
-        if cached_blocks:
-            hits = _array(cached_blocks)
-            counts = self.ref_counts[hits]
-            reused = hits[counts == 0]          # free blocks that still hold the cached prefix
+        if len(cached_blocks):
+            counts = self.ref_counts[cached_blocks]
+            reused = cached_blocks[counts == 0]   # free blocks that still hold the cached prefix
             num_reused = len(reused)
         if need + num_reused > len(self.free_queue):
             return False
-        if cached_blocks:
+        if len(cached_blocks):
             self.free_queue.remove(reused)
-            self.ref_counts[hits] = counts + 1
-            req.block_ids.extend(cached_blocks)
+            self.ref_counts[cached_blocks] = counts + 1
+            req.block_ids = _extended(req.block_ids, cached_blocks)
         if need:
-            req.block_ids.extend(self._hand_out(need))
+            req.block_ids = _extended(req.block_ids, self._hand_out(need))
         return True
 
-    def _hand_out(self, n: int) -> list[int]:
+    def _hand_out(self, n: int) -> np.ndarray:
         """The n least recently freed blocks, one reference each, no longer cached."""
-        blocks, ids = self.free_queue.pop(n)
+        blocks = self.free_queue.pop(n)
         self.ref_counts[blocks] = 1
         if self.cached:
             self._evict(blocks[self._hashed[blocks]])
-        return ids
+        return blocks
 
     def _evict(self, blocks: np.ndarray) -> None:
         """Forget the prefixes these blocks hold: their KV is about to be overwritten."""
@@ -134,33 +138,32 @@ class BlockManager:
 
     def free(self, req: Request) -> None:
         self.free_blocks(req.block_ids)
-        req.block_ids = []
+        req.block_ids = NO_BLOCKS
 
-    def free_blocks(self, block_ids: list[int]) -> None:
-        """Drop one reference to each block (ints as handed out, each listed once)."""
-        if not block_ids:
+    def free_blocks(self, blocks: np.ndarray) -> None:
+        """Drop one reference to each block (int64, as handed out, each listed once)."""
+        if not len(blocks):
             return
-        blocks = _array(block_ids)
         left = self.ref_counts[blocks] - 1
         shared = np.count_nonzero(left) > 0      # else every one of them is free now
         assert not shared or left.min() >= 0, f"block {blocks[left.argmin()]} freed twice"
         self.ref_counts[blocks] = left
         # Tail blocks first, so a prompt's deepest blocks are evicted before its shared head.
         if shared:
-            freed = blocks[::-1][left[::-1] == 0]
-            self.free_queue.push(freed, freed.tolist())
+            self.free_queue.push(blocks[::-1][left[::-1] == 0])
         else:
-            self.free_queue.push(blocks[::-1].copy(), block_ids[::-1])
+            self.free_queue.push(blocks[::-1].copy())
 
     def fork(self, parent: Request, child: Request) -> tuple[int, int] | None:
         """Child shares parent's full blocks; a partial last block is copied (copy-on-write
         done eagerly). Returns (src, dst) block ids to copy, or None. Caller checked space."""
         n_full = parent.num_computed_tokens // self.block_size
-        child.block_ids = parent.block_ids[:n_full]
+        shared = parent.block_ids[:n_full]
         child.block_hashes = parent.block_hashes[:n_full]
         # The parent holds these blocks, so none of them is in the free queue.
-        self.ref_counts[_array(child.block_ids)] += 1
+        self.ref_counts[shared] += 1
         if len(parent.block_ids) == n_full:
+            child.block_ids = shared.copy()
             return None
-        child.block_ids.extend(self._hand_out(1))
-        return parent.block_ids[n_full], child.block_ids[-1]
+        child.block_ids = np.concatenate([shared, self._hand_out(1)])
+        return int(parent.block_ids[n_full]), int(child.block_ids[-1])

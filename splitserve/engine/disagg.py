@@ -13,7 +13,7 @@ import queue
 from splitserve.config import KVTransferConfig
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.kv_leases import LeaseTable
-from splitserve.engine.request import Request
+from splitserve.engine.request import NO_BLOCKS, Request
 from splitserve.errors import InvalidRequestError
 from splitserve.kv.base import PullResult, layout_fingerprint, make_transport
 from splitserve.protocol.engine import KVHandle, RemotePrefill
@@ -41,7 +41,7 @@ class RemoteKV:
     def lease(self, req: Request) -> KVHandle:
         """Move req's block references into a lease; the caller finishes the request."""
         self.leases.add(req.request_id, req.block_ids, req.num_prompt_tokens)
-        req.block_ids = []
+        req.block_ids = NO_BLOCKS
         return KVHandle(backend=self.config.backend, endpoint=self.endpoint,
                         ctx_request_id=req.request_id, layout=self.layout,
                         num_tokens=req.num_prompt_tokens,

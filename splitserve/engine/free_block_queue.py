@@ -2,13 +2,11 @@
 
 The block manager hands out the least recently freed block first, so a free block that
 still holds a cached prefix stays findable for as long as possible. A large request frees
-and takes thousands of blocks at once; this queue does each of those in a few numpy and
-list operations instead of one Python step per block.
+and takes thousands of blocks at once; this queue does each of those in a few numpy
+operations instead of one Python step per block.
 """
 
 from __future__ import annotations
-
-from itertools import compress
 
 import numpy as np
 
@@ -19,16 +17,13 @@ class FreeBlockQueue:
 
     Layout: `_slots[_head:_tail]` holds the queue, oldest first. Removing a block from the
     middle (a prefix-cache hit on a free block) leaves a hole (-1) that pops step over.
-    `_ids` holds the same ids as Python ints (stale at holes), so a pop hands out a list by
-    slicing instead of creating thousands of int objects. Both are twice the number of
-    blocks long; when a push would run past the end the holes are squeezed out, which
-    leaves room for at least num_blocks more pushes.
+    `_slots` is twice the number of blocks long; when a push would run past the end the
+    holes are squeezed out, which leaves room for at least num_blocks more pushes.
     """
 
     def __init__(self, num_blocks: int):
         self._slots = np.full(2 * num_blocks, -1, dtype=np.int64)
         self._slots[:num_blocks] = np.arange(num_blocks)
-        self._ids = list(range(num_blocks)) + [-1] * num_blocks
         self._where = np.arange(num_blocks, dtype=np.int64)  # slot of each queued block
         self._head, self._tail = 0, num_blocks
         self._holes = 0          # -1 entries in _slots[_head:_tail]
@@ -41,25 +36,23 @@ class FreeBlockQueue:
         queued = self._slots[self._head:self._tail]
         return queued[queued >= 0].tolist()
 
-    def push(self, blocks: np.ndarray, ids: list[int]) -> None:
-        """Append blocks (none of them queued) at the newest end, in the given order; `ids`
-        lists the same blocks as Python ints. Pass a contiguous array: numpy scatters
-        through a reversed view at half the speed."""
+    def push(self, blocks: np.ndarray) -> None:
+        """Append blocks (int64, none of them queued) at the newest end, in the given order.
+        Pass a contiguous array: numpy scatters through a reversed view at half the speed."""
         if self._tail + len(blocks) > len(self._slots):
             self._squeeze()
         end = self._tail + len(blocks)
         self._slots[self._tail:end] = blocks
-        self._ids[self._tail:end] = ids
         self._where[blocks] = np.arange(self._tail, end)
         self._tail = end
 
-    def pop(self, n: int) -> tuple[np.ndarray, list[int]]:
-        """Remove the n oldest blocks; return them as an array and as a list. The caller
-        checked len(self) >= n."""
+    def pop(self, n: int) -> np.ndarray:
+        """Remove the n oldest blocks; return them, oldest first, as an int64 array the
+        caller owns. The caller checked len(self) >= n."""
         head = self._head
         if self._holes == 0 or self._slots[head:head + n].min(initial=0) >= 0:
             self._head = head + n
-            return self._slots[head:head + n].copy(), self._ids[head:head + n]
+            return self._slots[head:head + n].copy()
         width = 2 * n        # doubled until it covers n live blocks: cost O(n + holes passed)
         while True:
             window = self._slots[head:min(head + width, self._tail)]
@@ -70,8 +63,7 @@ class FreeBlockQueue:
         end = int(live[n - 1]) + 1
         self._holes -= end - n
         self._head = head + end
-        blocks = window[live[:n]]
-        return blocks, blocks.tolist()
+        return window[live[:n]]
 
     def remove(self, blocks: np.ndarray) -> None:
         """Take queued blocks out, wherever they stand."""
@@ -80,9 +72,12 @@ class FreeBlockQueue:
 
     def _squeeze(self) -> None:
         queued = self._slots[self._head:self._tail]
-        live = queued >= 0
-        queued = queued[live]
+        if self._holes:
+            queued = queued[queued >= 0]
+            self._where[queued] = np.arange(len(queued))
+        else:
+            # Every queued block moves by the same amount. Shifting all of _where (blocks not
+            # queued have no meaningful slot) is far cheaper than scattering into it.
+            self._where -= self._head
         self._slots[:len(queued)] = queued
-        self._ids[:len(queued)] = compress(self._ids[self._head:self._tail], live.tolist())
-        self._where[queued] = np.arange(len(queued))
         self._head, self._tail, self._holes = 0, len(queued), 0

@@ -12,12 +12,14 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from splitserve.kv.base import LeaseView
 
 
 @dataclass
 class Lease:
-    block_ids: list[int]
+    block_ids: np.ndarray     # int64; the lease holds one reference to each
     num_tokens: int
     expires_at: float
     sending: bool = field(default=False)
@@ -31,13 +33,14 @@ class LeaseTable(LeaseView):
         self.wake = wake   # tells an idle engine loop there is work
         self._lock = threading.Lock()
 
-    def add(self, ctx_request_id: str, block_ids: list[int], num_tokens: int) -> None:
+    def add(self, ctx_request_id: str, block_ids: np.ndarray, num_tokens: int) -> None:
+        """Takes over block_ids: the caller holds neither the array nor its references."""
         with self._lock:
-            self.leases[ctx_request_id] = Lease(list(block_ids), num_tokens,
+            self.leases[ctx_request_id] = Lease(block_ids, num_tokens,
                                                 time.monotonic() + self.lease_seconds)
 
     # -- transport threads ----------------------------------------------------------------
-    def lookup(self, ctx_request_id: str) -> tuple[list[int], int] | None:
+    def lookup(self, ctx_request_id: str) -> tuple[np.ndarray, int] | None:
         with self._lock:
             lease = self.leases.get(ctx_request_id)
             if lease is None:
@@ -50,8 +53,8 @@ class LeaseTable(LeaseView):
         self.wake()
 
     # -- engine thread --------------------------------------------------------------------
-    def collect(self, now: float | None = None) -> list[list[int]]:
-        """Block lists whose lease ended (acked, or expired and not mid-send)."""
+    def collect(self, now: float | None = None) -> list[np.ndarray]:
+        """Block arrays whose lease ended (acked, or expired and not mid-send)."""
         now = time.monotonic() if now is None else now
         done = []
         with self._lock:

@@ -12,6 +12,11 @@ from splitserve.sampling_params import SamplingParams
 from splitserve.tokens import PromptTokens
 
 
+# The block ids of a holder that has none. Holders' arrays are replaced, never written in
+# place, so every empty holder can share this one.
+NO_BLOCKS = np.empty(0, dtype=np.int64)
+
+
 class RequestStatus(enum.IntEnum):
     WAITING = 0
     WAITING_FOR_FORK = 1        # an n > 1 sibling: gets the leader's prompt blocks after prefill
@@ -56,7 +61,8 @@ _FINISHED_STATUS = {reason: status for status, reason in _FINISH.items()}
 
 class Request:
     """Owned by the engine core. The scheduler moves it between queues; the block manager
-    owns `block_ids`; the sampler reads `params`, `generator` and the token history."""
+    owns `block_ids` (an int64 array, replaced when it grows, never written in place); the
+    sampler reads `params`, `generator` and the token history."""
 
     def __init__(self, request_id: str, prompt: PromptTokens, params: SamplingParams,
                  eos_token_ids: tuple[int, ...] = (), max_model_len: int = 1 << 30,
@@ -76,7 +82,7 @@ class Request:
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0     # tokens whose KV is in this request's blocks
         self.num_cached_tokens = 0       # prompt tokens served from the prefix cache
-        self.block_ids: list[int] = []
+        self.block_ids: np.ndarray = NO_BLOCKS
         self.block_hashes: list[bytes] = []   # chained hashes of the full prompt+output blocks
         self.stop_reason: int | str | None = None  # the stop token id or string that ended it
         self.error: str | None = None

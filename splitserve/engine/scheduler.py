@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from splitserve.config import SchedulerConfig
 from splitserve.engine.block_manager import BlockManager
-from splitserve.engine.request import Request, RequestStatus
+from splitserve.engine.request import NO_BLOCKS, Request, RequestStatus
 
 
 @dataclass
@@ -101,7 +101,7 @@ class Scheduler:
                 continue
             if budget <= 0:
                 break
-            cached = []
+            cached = NO_BLOCKS
             if req.num_computed_tokens == 0 and req.params.prompt_logprobs is None:
                 cached = self.bm.find_cached_prefix(req)   # cached tokens would have no logprobs
             computed = req.num_computed_tokens + len(cached) * self.bm.block_size

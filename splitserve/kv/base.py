@@ -3,7 +3,8 @@
 GEN pulls, CTX serves. Each engine-core process owns one transport; its I/O runs on the
 transport's own threads, never on a front-end event loop and never on the step thread.
 The transport only moves bytes of whole KV blocks: which blocks, and when they may be
-freed, is the engine's business (splitserve/engine/kv_leases.py).
+freed, is the engine's business (splitserve/engine/kv_leases.py). Block ids come from the
+engine as int64 arrays that nobody writes in place.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 
 from splitserve.model.config import ModelConfig
@@ -41,7 +43,7 @@ class LeaseView(abc.ABC):
     """What a transport may ask the engine about leased blocks (called from I/O threads)."""
 
     @abc.abstractmethod
-    def lookup(self, ctx_request_id: str) -> tuple[list[int], int] | None:
+    def lookup(self, ctx_request_id: str) -> tuple[np.ndarray, int] | None:
         """(block ids, num_tokens) of a live lease, marked as being sent; None if unknown."""
 
     @abc.abstractmethod
@@ -50,19 +52,19 @@ class LeaseView(abc.ABC):
 
 
 def check_pull(leases: LeaseView, layout: str, ctx_request_id: str, wanted_layout: str,
-               num_blocks: int) -> tuple[str | None, list[int]]:
-    """(error, block ids) for a GEN's request to pull a lease: the same checks and words
-    whichever backend serves it."""
+               num_blocks: int) -> tuple[str | None, np.ndarray | None]:
+    """(error, None) or (None, block ids) for a GEN's request to pull a lease: the same
+    checks and words whichever backend serves it."""
     if wanted_layout != layout:
         return (f"KV layout mismatch: this context worker has [{layout}], the generation "
-                f"worker has [{wanted_layout}]"), []
+                f"worker has [{wanted_layout}]"), None
     lease = leases.lookup(ctx_request_id)
     if lease is None:
-        return f"unknown or expired ctx_request_id {ctx_request_id!r}", []
+        return f"unknown or expired ctx_request_id {ctx_request_id!r}", None
     blocks, num_tokens = lease
     if len(blocks) != num_blocks:
         return (f"the generation worker expects {num_blocks} KV blocks but {ctx_request_id!r} "
-                f"holds {len(blocks)} ({num_tokens} tokens): prompt_len disagrees with the KV"), []
+                f"holds {len(blocks)} ({num_tokens} tokens): prompt_len disagrees with the KV"), None
     return None, blocks
 
 
@@ -81,8 +83,9 @@ class KVTransport(abc.ABC):
         """Start serving leased blocks; returns this engine's endpoint for KVHandles."""
 
     @abc.abstractmethod
-    def pull(self, handle: KVHandle, dst_blocks: list[int], done: Callable[[PullResult], None]) -> None:
-        """Copy the handle's blocks into dst_blocks (same count), then call done once."""
+    def pull(self, handle: KVHandle, dst_blocks: np.ndarray,
+             done: Callable[[PullResult], None]) -> None:
+        """Copy the handle's blocks into dst_blocks (int64, same count), then call done once."""
 
     def agent_metadata(self) -> bytes:
         return b""

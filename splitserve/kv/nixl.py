@@ -70,23 +70,19 @@ def _make_agent(nixl, name: str):
     return agent
 
 
-def block_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
-    """(src_start, dst_start, count) runs where both sides are consecutive block ids: one
-    transfer descriptor per run instead of one per block."""
-    runs: list[tuple[int, int, int]] = []
-    for s, d in zip(src, dst):
-        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
-        else:
-            runs.append((s, d, 1))
-    return runs
+def block_runs(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(src starts, dst starts, counts) of the runs where both sides are consecutive block
+    ids: one transfer descriptor per run instead of one per block."""
+    breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
+    starts = np.concatenate([[0], breaks])[:len(src)]
+    return src[starts], dst[starts], np.diff(starts, append=len(src))
 
 
-def _descs(base: int, block_bytes: int, starts, counts) -> np.ndarray:
+def _descs(base: int, block_bytes: int, starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
     """(N, 3) uint64 rows of (address, length, device id 0): NIXL's DRAM descriptor list."""
     out = np.zeros((len(starts), 3), dtype=np.uint64)
-    out[:, 0] = base + np.asarray(starts, dtype=np.uint64) * np.uint64(block_bytes)
-    out[:, 1] = np.asarray(counts, dtype=np.uint64) * np.uint64(block_bytes)
+    out[:, 0] = np.uint64(base) + starts.astype(np.uint64) * np.uint64(block_bytes)
+    out[:, 1] = counts.astype(np.uint64) * np.uint64(block_bytes)
     return out
 
 
@@ -115,11 +111,11 @@ class NixlTransport(ZmqPullTransport):
                     os.environ.get("UCX_TLS"), os.environ.get("UCX_NET_DEVICES", "all"))
         return endpoint
 
-    def _offer(self, blocks: list[int]) -> list:
+    def _offer(self, blocks: np.ndarray) -> list:
         return [msgspec.msgpack.encode(NixlPullReply(
             agent_name=self.agent_name, agent_metadata=self.metadata,
             base_addr=self.kv_cache.data_ptr(), block_bytes=self.block_nbytes,
-            block_ids=list(blocks)))]
+            block_ids=blocks.tolist()))]
 
     def agent_metadata(self) -> bytes:
         # The reply to a PullRequest carries the metadata, so KVHandles (relayed per request
@@ -127,12 +123,12 @@ class NixlTransport(ZmqPullTransport):
         return b""
 
     # -- GEN side -------------------------------------------------------------------------
-    def _receive(self, handle: KVHandle, reply: NixlPullReply, frames: list, dst: list[int],
+    def _receive(self, handle: KVHandle, reply: NixlPullReply, frames: list, dst: np.ndarray,
                  deadline: float) -> int:
         if reply.block_bytes != self.block_nbytes or len(reply.block_ids) != len(dst):
             raise RuntimeError(f"context worker offers {len(reply.block_ids)} blocks of "
                                f"{reply.block_bytes} bytes, expected {len(dst)} of {self.block_nbytes}")
-        if dst:
+        if len(dst):
             self._read(self._remote_agent(handle.endpoint, reply), reply, dst, deadline)
         return len(dst) * self.block_nbytes
 
@@ -154,9 +150,9 @@ class NixlTransport(ZmqPullTransport):
             except Exception as exc:
                 logger.warning("kv-nixl: could not drop remote agent %s: %s", name, exc)
 
-    def _read(self, remote: str, reply: NixlPullReply, dst: list[int], deadline: float) -> None:
+    def _read(self, remote: str, reply: NixlPullReply, dst: np.ndarray, deadline: float) -> None:
         """One READ of every run of blocks; returns once the bytes are in the local cache."""
-        srcs, dsts, counts = zip(*block_runs(reply.block_ids, dst))
+        srcs, dsts, counts = block_runs(np.array(reply.block_ids, dtype=np.int64), dst)
         local = self.agent.get_xfer_descs(
             _descs(self.kv_cache.data_ptr(), self.block_nbytes, dsts, counts), "DRAM")
         far = self.agent.get_xfer_descs(_descs(reply.base_addr, self.block_nbytes, srcs, counts), "DRAM")

@@ -21,16 +21,16 @@ from splitserve.protocol.engine import KVHandle
 class TcpTransport(ZmqPullTransport):
     reply_type = TcpPullReply
 
-    def _offer(self, blocks: list[int]) -> list:
-        frames = [memoryview(self.block_bytes(b).numpy()) for b in blocks]
+    def _offer(self, blocks: np.ndarray) -> list:
+        frames = [memoryview(self.block_bytes(b).numpy()) for b in blocks.tolist()]
         return [msgspec.msgpack.encode(TcpPullReply(num_blocks=len(blocks))), *frames]
 
-    def _receive(self, handle: KVHandle, reply: TcpPullReply, frames: list, dst: list[int],
+    def _receive(self, handle: KVHandle, reply: TcpPullReply, frames: list, dst: np.ndarray,
                  deadline: float) -> int:
         if len(frames) != len(dst):
             raise RuntimeError(f"expected {len(dst)} KV blocks, received {len(frames)}")
         nbytes = 0
-        for block, frame in zip(dst, frames):
+        for block, frame in zip(dst.tolist(), frames):
             src = np.frombuffer(frame.buffer, dtype=np.uint8)
             self.block_bytes(block).numpy()[:] = src   # one memcpy per block
             nbytes += src.size

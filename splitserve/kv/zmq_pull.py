@@ -17,6 +17,7 @@ import time
 from typing import Callable
 
 import msgspec
+import numpy as np
 import torch
 import zmq
 
@@ -44,11 +45,11 @@ class ZmqPullTransport(KVTransport):
         self._threads: list[threading.Thread] = []
 
     @abc.abstractmethod
-    def _offer(self, blocks: list[int]) -> list:
+    def _offer(self, blocks: np.ndarray) -> list:
         """CTX: the reply frames that hand these leased blocks to the GEN."""
 
     @abc.abstractmethod
-    def _receive(self, handle: KVHandle, reply, frames: list, dst: list[int],
+    def _receive(self, handle: KVHandle, reply, frames: list, dst: np.ndarray,
                  deadline: float) -> int:
         """GEN: copy the offered blocks into dst (frames: those after the reply); returns
         the bytes copied."""
@@ -98,7 +99,8 @@ class ZmqPullTransport(KVTransport):
         return self._offer(blocks)
 
     # -- GEN side -------------------------------------------------------------------------
-    def pull(self, handle: KVHandle, dst_blocks: list[int], done: Callable[[PullResult], None]) -> None:
+    def pull(self, handle: KVHandle, dst_blocks: np.ndarray,
+             done: Callable[[PullResult], None]) -> None:
         self.jobs.put((handle, dst_blocks, done))
 
     def _pull_loop(self) -> None:
@@ -118,7 +120,7 @@ class ZmqPullTransport(KVTransport):
         for sock in socks.values():
             sock.close(linger=0)
 
-    def _pull_one(self, socks: dict, handle: KVHandle, dst: list[int], deadline: float) -> int:
+    def _pull_one(self, socks: dict, handle: KVHandle, dst: np.ndarray, deadline: float) -> int:
         sock = socks.get(handle.endpoint)
         if sock is None:
             sock = socks[handle.endpoint] = self.ctx.socket(zmq.DEALER)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -61,43 +62,63 @@ def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def build_metadata(block_size: int, decode_seqs, prefill_seqs, sliding_window: int | None,
                    dtype: torch.dtype = torch.float32,
                    scratch: GatherBuffer | None = None) -> AttentionMetadata:
-    """decode_seqs: [(block_ids, position)], prefill_seqs: [(block_ids, start, length)].
-    Positions are 0-based; a decode's query sits at `position`, its context is 0..position.
-    Masks are additive (0 / -inf) in `dtype`, the dtype of the queries."""
-    blocks, offsets = [], []
-    for block_ids, pos in decode_seqs:
-        blocks.append(block_ids[pos // block_size])
-        offsets.append(pos % block_size)
+    """decode_seqs: [(block_ids, position)], prefill_seqs: [(block_ids, start, length)], where
+    block_ids is the sequence's int64 array of blocks. Positions are 0-based; a decode's query
+    sits at `position`, its context is 0..position. Masks are additive (0 / -inf) in `dtype`,
+    the dtype of the queries."""
+    blocks, offsets = [], []            # (T_i,) int64 per group of new tokens, in step order
     decode_table = decode_mask = None
     if decode_seqs:
-        width = max(len(b) for b, _ in decode_seqs)
-        table = [b + [0] * (width - len(b)) for b, _ in decode_seqs]
-        decode_table = torch.tensor(table, dtype=torch.long)
-        pos = torch.tensor([p for _, p in decode_seqs]).view(-1, 1)
-        keys = torch.arange(width * block_size).view(1, -1)
-        allowed = keys <= pos
-        if sliding_window is not None:
-            allowed &= keys > pos - sliding_window
-        decode_mask = _additive(allowed.view(len(decode_seqs), 1, 1, -1), dtype)
+        pos = np.array([p for _, p in decode_seqs], dtype=np.int64)
+        blocks.append(np.array([b[p // block_size] for b, p in decode_seqs], dtype=np.int64))
+        offsets.append(pos % block_size)
+        decode_table, decode_mask = _decode_tables(block_size, decode_seqs, pos, sliding_window,
+                                                   dtype)
     chunks, offset = [], len(decode_seqs)
     for block_ids, start, length in prefill_seqs:
-        pos = torch.arange(start, start + length)
-        blocks.extend(block_ids[p // block_size] for p in range(start, start + length))
-        offsets.extend(p % block_size for p in range(start, start + length))
-        n_blocks = (start + length + block_size - 1) // block_size
-        mask = None
-        if start > 0 or (sliding_window is not None and length > sliding_window):
-            keys = torch.arange(start + length).view(1, -1)
-            allowed = keys <= pos.view(-1, 1)
-            if sliding_window is not None:
-                allowed &= keys > pos.view(-1, 1) - sliding_window
-            mask = _additive(allowed.view(1, 1, length, -1), dtype)
-        chunks.append(PrefillChunk(start, length, offset,
-                                   torch.tensor([block_ids[:n_blocks]], dtype=torch.long), mask))
+        pos = np.arange(start, start + length)
+        blocks.append(block_ids[pos // block_size])
+        offsets.append(pos % block_size)
+        chunks.append(_prefill_chunk(block_size, block_ids, start, length, offset,
+                                     sliding_window, dtype))
         offset += length
-    return AttentionMetadata(torch.tensor(blocks, dtype=torch.long),
-                             torch.tensor(offsets, dtype=torch.long), len(decode_seqs),
+    return AttentionMetadata(torch.from_numpy(np.concatenate(blocks)),
+                             torch.from_numpy(np.concatenate(offsets)), len(decode_seqs),
                              decode_table, decode_mask, chunks, scratch)
+
+
+def _visible(query_pos: torch.Tensor, num_keys: int, sliding_window: int | None) -> torch.Tensor:
+    """(Q, num_keys) bool: which key positions each query position attends to."""
+    keys = torch.arange(num_keys).view(1, -1)
+    query = query_pos.view(-1, 1)
+    allowed = keys <= query
+    if sliding_window is not None:
+        allowed &= keys > query - sliding_window
+    return allowed
+
+
+def _decode_tables(block_size: int, decode_seqs, pos: np.ndarray, sliding_window: int | None,
+                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block table (B_d, n_blocks), padded with block 0 past each sequence's blocks, and the
+    additive mask (B_d, 1, 1, n_blocks * block_size) that hides the padding."""
+    width = max(len(b) for b, _ in decode_seqs)
+    table = np.zeros((len(decode_seqs), width), dtype=np.int64)
+    for row, (block_ids, _) in zip(table, decode_seqs):
+        row[:len(block_ids)] = block_ids
+    allowed = _visible(torch.from_numpy(pos), width * block_size, sliding_window)
+    return torch.from_numpy(table), _additive(allowed.view(len(decode_seqs), 1, 1, -1), dtype)
+
+
+def _prefill_chunk(block_size: int, block_ids: np.ndarray, start: int, length: int,
+                   token_offset: int, sliding_window: int | None,
+                   dtype: torch.dtype) -> PrefillChunk:
+    n_blocks = (start + length + block_size - 1) // block_size
+    mask = None
+    if start > 0 or (sliding_window is not None and length > sliding_window):
+        allowed = _visible(torch.arange(start, start + length), start + length, sliding_window)
+        mask = _additive(allowed.view(1, 1, length, -1), dtype)
+    table = torch.from_numpy(block_ids[:n_blocks]).view(1, -1)   # shares the request's array
+    return PrefillChunk(start, length, token_offset, table, mask)
 
 
 def _gather(kv_cache: torch.Tensor, layer: int, table: torch.Tensor, length: int,
