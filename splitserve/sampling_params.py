@@ -10,7 +10,7 @@ from splitserve.errors import InvalidRequestError
 _MAX_LOGPROBS = 20
 
 
-class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, gc=False):
     n: int = 1
     max_tokens: int | None = 16          # None: up to the model's context
     min_tokens: int = 0
@@ -70,6 +70,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
 
     def check_vocab(self, vocab_size: int) -> None:
         """Token ids the caller named must exist; checked where the vocabulary is known."""
+        if not (self.logit_bias or self.stop_token_ids):
+            return
         for name, ids in (("logit_bias", self.logit_bias or ()), ("stop_token_ids", self.stop_token_ids)):
             bad = [t for t in ids if not 0 <= int(t) < vocab_size]
             _check(not bad, f"{name} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}",

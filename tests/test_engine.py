@@ -257,3 +257,50 @@ def test_admission_is_when_the_engine_received_it_and_waiting_for_a_step_is_queu
     assert 0.25 <= first.queue_time < 5
     while engine.has_unfinished_requests():
         engine.step()
+
+
+def _all_deltas(engine):
+    out = []
+    while engine.has_unfinished_requests():
+        out += engine.step()
+    return out
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0, max_tokens=9, ignore_eos=True, logprobs=2),
+    SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=7, ignore_eos=True),
+    SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
+], ids=["logprobs", "n2", "one-token"])
+def test_a_response_sent_whole_gets_one_delta_per_sequence_equal_to_the_stream(make_engine, params):
+    items = prompts([7, 13], seed=11)
+    streamed, whole = make_engine(), make_engine()
+    for i, toks in enumerate(items):
+        streamed.add_request(f"r{i}", PromptTokens(toks), params)
+        whole.add_request(f"r{i}", PromptTokens(toks), params, stream=False)
+    a, b = _all_deltas(streamed), _all_deltas(whole)
+    assert len(a) > len(b) or params.max_tokens == 1
+    assert sorted((d.request_id, d.index) for d in b) == sorted(
+        (f"r{i}", j) for i in range(len(items)) for j in range(params.n))
+    t0 = time.time()
+    for d in b:
+        mine = [x for x in a if (x.request_id, x.index) == (d.request_id, d.index)]
+        assert d.token_ids == [t for x in mine for t in x.token_ids]
+        assert d.text == "".join(x.text for x in mine)
+        assert d.finish_reason == mine[-1].finish_reason
+        assert d.num_prompt_tokens == mine[0].num_prompt_tokens > 0
+        if params.logprobs is not None:
+            assert [lp.token_id for lp in d.logprobs] == d.token_ids
+            assert d.logprobs == [lp for x in mine for lp in x.logprobs]
+        assert t0 - 60 < d.first_token_time <= t0 and d.admit_time <= d.first_token_time
+        assert all(x.first_token_time == 0.0 for x in mine)   # streamed deltas carry none
+
+
+def test_an_aborted_response_sent_whole_returns_what_it_generated(make_engine):
+    engine = make_engine()
+    engine.add_request("a", PromptTokens(prompts([9])[0]),
+                       SamplingParams(temperature=0, max_tokens=100, ignore_eos=True), stream=False)
+    assert engine.step() == [] and engine.step() == [] and engine.step() == []
+    engine.abort_request("a")
+    (d,) = engine.step()
+    assert d.finish_reason == FinishReason.ABORT and len(d.token_ids) == 3 and d.first_token_time > 0
+    assert not engine.final_only

@@ -53,6 +53,10 @@ class EngineCore:
         self.sampler = Sampler(cfg.vocab_size, seed=config.seed)
         self.groups: dict[str, list[Request]] = {}
         self.detokenizers: dict[int, IncrementalDetokenizer] = {}
+        # Sequences whose response is sent whole (stream=False): their deltas are merged here
+        # and leave once, when the sequence finishes, not once per step. Keyed like
+        # detokenizers; the value is None until the first token.
+        self.final_only: dict[int, CompletionDelta | None] = {}
         self.pending: list[CompletionDelta] = []   # deltas produced between steps (aborts)
         self.remote_kv = RemoteKV(config.kv, self.block_manager, self.runner.kv_cache, cfg,
                                   config.torch_dtype)
@@ -62,10 +66,12 @@ class EngineCore:
     # -- requests in ----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: PromptTokens, params: SamplingParams,
                     context_only: bool = False, remote: RemotePrefill | None = None,
-                    received_time: float | None = None) -> None:
+                    received_time: float | None = None, stream: bool = True) -> None:
         """Validate and queue; raises InvalidRequestError naming the problem.
         context_only: stop after the first token and lease the KV to a generation worker.
-        remote: the prompt's KV is pulled from a context worker instead of computed."""
+        remote: the prompt's KV is pulled from a context worker instead of computed.
+        stream=False: each sequence yields one delta, when it finishes, holding everything it
+        generated (its first-token fields and first_token_time included)."""
         if request_id in self.groups:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         self._validate(prompt, params)
@@ -85,6 +91,8 @@ class EngineCore:
                           eos, self.max_model_len, received_time)
             req.group_id, req.index = request_id, i
             children.append(req)
+            if not stream:
+                self.final_only[id(req)] = None
         leader, siblings = children[0], children[1:]
         leader.context_only, leader.remote = context_only, remote
         for s in siblings:
@@ -213,14 +221,32 @@ class EngineCore:
                 delta.prefill_time = time.monotonic() - req.first_scheduled_time
             delta.kv_transfer_time = req.kv_transfer_time
             delta.admit_time = req.admit_time
+            if id(req) in self.final_only:
+                delta.first_token_time = time.time()   # its TTFT: no delta leaves now
         reason = self._check_stop(req, token, delta)
         if reason is None and req.context_only:
             delta.kv_handle = self.remote_kv.lease(req)
             reason = FinishReason.HANDOFF
         if reason is not None:
             self._finish(req, reason, out, delta)
-        else:
+        elif id(req) not in self.final_only:
             out.append(delta)
+        else:
+            self._hold(req, delta)
+
+    def _hold(self, req: Request, delta: CompletionDelta) -> CompletionDelta:
+        """Merge a final-only sequence's delta into what it holds; returns the merged one."""
+        held = self.final_only[id(req)]
+        if held is None:
+            self.final_only[id(req)] = delta
+            return delta
+        held.token_ids += delta.token_ids
+        held.text += delta.text
+        if delta.logprobs is not None:
+            if held.logprobs is None:
+                held.logprobs = []
+            held.logprobs += delta.logprobs
+        return held
 
     def _check_stop(self, req: Request, token: int, delta: CompletionDelta) -> FinishReason | None:
         params = req.params
@@ -267,6 +293,9 @@ class EngineCore:
                 delta: CompletionDelta | None = None, error: str | None = None) -> None:
         if delta is None:
             delta = CompletionDelta(req.group_id, req.index, [], "")
+        if id(req) in self.final_only:
+            delta = self._hold(req, delta)
+            del self.final_only[id(req)]
         detok = self.detokenizers.pop(id(req), None)
         if detok is not None and not isinstance(req.stop_reason, str):
             delta.text += detok.flush()   # a matched stop string already cut the text

@@ -6,6 +6,7 @@ and a step never delays reading the next request. Protocol: splitserve/protocol/
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import queue
@@ -47,6 +48,10 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
         out_q.put(None)
         time.sleep(1.0)
         return
+    # The model, torch and the tokenizer live as long as the process: out of the garbage
+    # collector's full passes, which hold the GIL (and so the input thread) for ~0.1 s each.
+    gc.collect()
+    gc.freeze()
     bm = engine.block_manager
     dtype = str(engine.runner.kv_cache.dtype).removeprefix("torch.")
     out_q.put(EngineReady(engine.model_config.name, dtype, engine.model_config.vocab_size,
@@ -106,7 +111,7 @@ def _handle(engine: EngineCore, item, deltas: list[CompletionDelta]) -> None:
                 raise InvalidRequestError(f"prompt_len {msg.prompt_len} does not match the "
                                           f"{len(prompt)} prompt tokens sent", "prompt_len")
         engine.add_request(msg.request_id, prompt, msg.params, context_only=msg.context_only,
-                           remote=msg.remote, received_time=received)
+                           remote=msg.remote, received_time=received, stream=msg.stream)
     except InvalidRequestError as exc:
         deltas.append(CompletionDelta(msg.request_id, 0, [], "", finish_reason=int(FinishReason.ERROR),
                                       error=exc.message, error_param=exc.param or ""))
@@ -124,6 +129,7 @@ def _recv_loop(ctx: zmq.Context, addr: str, in_q: queue.Queue) -> None:
     decoder = msgspec.msgpack.Decoder(EngineInput)
     while True:
         frames = sock.recv_multipart(copy=False)
+        received = time.time()   # the front-end's part ends here; see Request.admit_time
         try:
             msg = decoder.decode(frames[0].buffer)
         except msgspec.DecodeError:
@@ -134,7 +140,6 @@ def _recv_loop(ctx: zmq.Context, addr: str, in_q: queue.Queue) -> None:
         elif len(frames) != len(msg.requests) + 1:
             logger.error("dropped %d requests: %d prompt frames", len(msg.requests), len(frames) - 1)
         else:
-            received = time.time()   # the front-end's part ends here; see Request.admit_time
             for req, frame in zip(msg.requests, frames[1:]):
                 in_q.put((req, frame.buffer, received))
 

@@ -1,7 +1,11 @@
 """Messages between a worker's front-end and its engine-core process (ZeroMQ, msgpack).
 
 Prompt token ids never ride inside these Structs: an AddRequest is followed by one raw
-little-endian int32 frame (empty for a length-only placeholder)."""
+little-endian int32 frame (empty for a length-only placeholder).
+
+The per-request Structs are gc=False: they hold plain data and never take part in a
+reference cycle, so the garbage collector need not track the thousands that requests in
+flight keep alive (tracking them made its full passes stall the event loop for ~90 ms)."""
 
 from __future__ import annotations
 
@@ -11,14 +15,14 @@ from splitserve.errors import InvalidRequestError
 from splitserve.sampling_params import SamplingParams
 
 
-class Logprob(msgspec.Struct, array_like=True):
+class Logprob(msgspec.Struct, array_like=True, gc=False):
     token_id: int
     logprob: float
     rank: int
     top: list[tuple[int, float]]
 
 
-class KVHandle(msgspec.Struct, kw_only=True, omit_defaults=True):
+class KVHandle(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     """Where a GEN worker pulls a context request's KV from."""
     backend: str                 # "tcp" | "nixl"
     endpoint: str                # the CTX engine's KV server
@@ -33,14 +37,14 @@ class KVHandle(msgspec.Struct, kw_only=True, omit_defaults=True):
                "kv_handle needs an endpoint and a ctx_request_id")
 
 
-class RemotePrefill(msgspec.Struct, omit_defaults=True):
+class RemotePrefill(msgspec.Struct, omit_defaults=True, gc=False):
     """generation_only: the prompt's KV is on a context worker; CTX sampled first_gen_tokens."""
     handle: KVHandle
     first_gen_tokens: list[int]
     first_gen_logprobs: list[Logprob] | None = None
 
 
-class CompletionDelta(msgspec.Struct, omit_defaults=True):
+class CompletionDelta(msgspec.Struct, omit_defaults=True, gc=False):
     """What one output sequence gained in one engine step. `index` is the sequence's place
     among the request's n outputs; the request is finished when finish_reason is set."""
     request_id: str
@@ -60,17 +64,19 @@ class CompletionDelta(msgspec.Struct, omit_defaults=True):
     kv_handle: KVHandle | None = None                    # context_only: KV left for a GEN to pull
     kv_transfer_time: float = 0.0                        # generation_only: seconds to pull the KV
     admit_time: float = 0.0                              # wall clock the engine process received it
+    first_token_time: float = 0.0                        # stream=False only: wall clock of token 1
     received: float = 0.0     # front-end only: wall clock its EngineOutputs arrived (not sent)
 
 
 # -- front-end -> engine core ----------------------------------------------------------------
-class AddRequest(msgspec.Struct):
+class AddRequest(msgspec.Struct, gc=False):
     request_id: str
     params: SamplingParams
     prompt_len: int
     placeholder: bool = False          # length-only prompt: no token frame values
     context_only: bool = False         # prefill, sample one token, lease the KV for a GEN
     remote: RemotePrefill | None = None   # generation_only: pull the KV, then decode
+    stream: bool = True                # False: one delta per sequence, when it finishes
 
 
 class AddRequests(msgspec.Struct, tag="add"):
@@ -92,7 +98,7 @@ EngineInput = AddRequests | AbortRequests | Shutdown
 
 
 # -- engine core -> front-end ----------------------------------------------------------------
-class EngineStats(msgspec.Struct, array_like=True):
+class EngineStats(msgspec.Struct, array_like=True, gc=False):
     num_running: int
     num_waiting: int
     kv_blocks_used: int

@@ -34,6 +34,8 @@ class EchoPrompt(NamedTuple):
 
 
 def response_id(chat: bool) -> str:
+    # Random, not a counter: a context worker leases KV under this id, which must not be
+    # guessable by another client.
     return ("chatcmpl-" if chat else "cmpl-") + os.urandom(16).hex()
 
 

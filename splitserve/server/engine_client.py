@@ -167,7 +167,7 @@ class EngineClient:
             raise EngineDeadError(self.dead_reason or "engine not started")
         q = self.queues[request_id] = DeltaQueue(eager=stream)
         msg = AddRequest(request_id, params, len(prompt), prompt.is_placeholder, context_only,
-                         remote)
+                         remote, stream)
         frame = b"" if prompt.is_placeholder else memoryview(prompt.array).cast("B")
         open_seqs = params.n
         try:

@@ -111,7 +111,7 @@ class GenerateHandlers:
         chat = isinstance(req, ChatCompletionRequest)
         rid = response_id(chat)
         kwargs = dict(token_text=self.server.token_text, echo=echo, request_id=rid)
-        deltas = self._merged(rid, prompts, params, context_only, remote, req.stream)
+        deltas = self._merged(rid, prompts, params, context_only, remote, bool(req.stream))
         observe = _Observer(self.server.metrics, arrival, remote is not None)
         if req.stream:
             return await self._stream(request, req, deltas, observe, kwargs)
@@ -209,8 +209,10 @@ class _Observer:
             m.e2e.observe(now - self.arrival)
 
     def _first_token(self, delta: CompletionDelta, now: float) -> None:
+        """A response sent whole gets one delta per sequence (the engine's final-only
+        output): its first token's time comes with it, and it has no inter-token gaps."""
         m, admitted = self.m, max(delta.admit_time - self.arrival, 0.0)
-        m.ttft.observe(now - self.arrival)
+        m.ttft.observe((delta.first_token_time or now) - self.arrival)
         m.queue.observe(delta.queue_time)
         m.prefill.observe(delta.prefill_time)
         if delta.index == 0:

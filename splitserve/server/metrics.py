@@ -228,7 +228,8 @@ class ServerMetrics:
         self.ttft = add(Histogram, "time_to_first_token_seconds",
                         "Arrival to first generated token")
         self.itl = add(Histogram, "inter_token_latency_seconds",
-                       "Time between consecutive tokens of a sequence")
+                       "Time between consecutive tokens of a streamed sequence (a "
+                       "response sent whole gets its tokens at once)")
         self.e2e = add(Histogram, "e2e_request_latency_seconds", "Arrival to last token")
         self.queue = add(Histogram, "request_queue_time_seconds",
                          "Engine admission to first scheduled (waiting for the running step included)")
