@@ -30,10 +30,12 @@ def bench(url: str, tmp_path, *extra: str) -> dict:
 def test_every_mode_runs_against_a_worker_that_skips_kv_pulls(tmp_path):
     worker = Worker(*GEN, "--bench-skip-kv-pull")
     try:
-        result = bench(worker.url, tmp_path)
+        result = bench(worker.url, tmp_path, "--ramp-up", "0.4")
     finally:
         worker.close()
     assert result["bench_skip_kv_pull"] is True and "skipped" in result["note"]
+    # the 4th connection waits 3/4 of the ramp before its first request
+    assert min(r["duration_s"] for r in result["runs"]) >= 0.3
     assert result["worker"]["health"]["bench_skip_kv_pull"] is True
     runs = result["runs"]
     assert [(r["mode"], r["isl"], r["concurrency"]) for r in runs] == [

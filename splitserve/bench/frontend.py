@@ -89,7 +89,7 @@ def benchmark(cfg: FrontendBenchConfig) -> dict:
 def _run(cfg, client: ClientProcess, worker: BenchWorker | None, target: Target, mode: str,
          isl: int, c: int) -> dict:
     spec = RunSpec(target, mode, isl, c, cfg.num_requests(c), cfg.duration, cfg.timeout,
-                   cfg.max_tokens)
+                   cfg.max_tokens, cfg.ramp_up)
     engine_cpu = worker.engine_cpu_seconds() if worker else None
     out = client.run(spec)
     if engine_cpu is not None:
@@ -118,7 +118,7 @@ def add_arguments(p) -> None:
     p.add_argument("--isl", type=_ints, default=None, help="prompt lengths (default 1k,8k,32k,128k)")
     p.add_argument("--concurrency", type=_ints, default=None, help="default 64,256,1024")
     p.add_argument("--requests", type=int, default=None,
-                   help="per run (default max(2*concurrency, 200))")
+                   help="per run (default max(4*concurrency, 1000))")
     p.add_argument("--duration", type=float, default=20.0,
                    help="seconds per run at most; requests in flight finish")
     p.add_argument("--quick", action="store_true",
@@ -129,6 +129,9 @@ def add_arguments(p) -> None:
                    help="tokens each request generates: 1 makes every request pure front-end "
                         "work; more keeps `concurrency` requests decoding on the worker, as a "
                         "loaded GEN holds them, while new ones arrive as others finish")
+    p.add_argument("--ramp-up", type=float, default=0.0,
+                   help="seconds over which each run's connections send their first requests "
+                        "(default all at once); with --max-tokens, about a request's lifetime")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-gib", type=float, default=2.0, help="KV pool of the started worker")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
@@ -143,6 +146,7 @@ def config_from_args(args) -> FrontendBenchConfig:
         isl=args.isl or (QUICK_ISL if args.quick else DEFAULT_ISL),
         concurrency=args.concurrency or (QUICK_CONCURRENCY if args.quick else DEFAULT_CONCURRENCY),
         requests=args.requests, duration=args.duration, url=args.url, max_tokens=args.max_tokens,
+        ramp_up=args.ramp_up,
         block_size=args.block_size, kv_cache_gib=args.kv_cache_gib, timeout=args.timeout,
         progress=not args.no_progress)
 

@@ -37,6 +37,7 @@ class RunSpec(msgspec.Struct, frozen=True):
     duration: float
     timeout: float
     max_tokens: int = 1
+    ramp_up: float = 0.0     # seconds over which the connections send their first requests
 
 
 def body_parts(target: Target, mode: str, isl: int, max_tokens: int = 1) -> list[bytes]:
@@ -81,16 +82,21 @@ def body_variants(target: Target, mode: str, isl: int, max_tokens: int) -> list[
 
 
 async def drive(spec: RunSpec, variants: list[list[bytes]]) -> dict:
-    """One run: warm connections, /metrics, the requests at fixed concurrency, /metrics."""
+    """One run: warm connections, /metrics, the requests at fixed concurrency, /metrics.
+    Opening and closing the connections falls outside the two scrapes: a client keeps its
+    connections, so accepting them is not a per-request cost."""
     url = spec.target.url.rstrip("/")
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
-        before = await _scrape(http, url)
         conns = await _connect(url, spec.concurrency)
+        before = await _scrape(http, url)
         latencies, failures = [], []
         todo = iter(range(spec.num_requests))    # shared: each index is taken once
         deadline = time.monotonic() + spec.duration
 
-        async def sender(conn: HTTPConnection):
+        async def sender(k: int, conn: HTTPConnection):
+            # A ramp spreads the first requests out: all at once, they queue as one burst
+            # that a held load (max_tokens > 1) never has again.
+            await asyncio.sleep(spec.ramp_up * k / spec.concurrency)
             for i in todo:
                 if time.monotonic() > deadline:
                     break
@@ -98,12 +104,13 @@ async def drive(spec: RunSpec, variants: list[list[bytes]]) -> dict:
                 body = rid.join(variants[i % len(variants)])
                 if not await _send(conn, body, spec, latencies, failures):
                     conn.close()      # a failed connection is replaced
-                    conn = await HTTPConnection.open(url)
-            conn.close()
+                    conns[k] = conn = await HTTPConnection.open(url)
         start, cpu = time.perf_counter(), time.process_time()
-        await asyncio.gather(*(sender(c) for c in conns))
+        await asyncio.gather(*(sender(k, c) for k, c in enumerate(conns)))
         elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
         after = await _scrape(http, url)
+        for conn in conns:
+            conn.close()
     return {"latencies_s": latencies, "failures": failures[:5], "num_failed": len(failures),
             "duration_s": elapsed, "client_cpu_s": cpu, "body_bytes": len(b"bench-0-0".join(variants[0])),
             "metrics_before": before, "metrics_after": after}

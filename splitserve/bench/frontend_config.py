@@ -20,10 +20,11 @@ class FrontendBenchConfig:
     modes: tuple[str, ...] = MODES
     isl: tuple[int, ...] = DEFAULT_ISL
     concurrency: tuple[int, ...] = DEFAULT_CONCURRENCY
-    requests: int | None = None        # per run; None: max(2 * concurrency, 200)
+    requests: int | None = None        # per run; None: max(4 * concurrency, 1000)
     duration: float = 20.0             # seconds per run at most; requests in flight finish
     url: str | None = None             # an existing worker; None: start one
     max_tokens: int = 1                # per request; > 1 holds requests decoding on the worker
+    ramp_up: float = 0.0               # seconds over which a run's first requests go out
     block_size: int = 16
     kv_cache_gib: float = 2.0          # the started worker's KV pool
     timeout: float = 120.0             # seconds per request
@@ -36,10 +37,11 @@ class FrontendBenchConfig:
         _require(self.concurrency and min(self.concurrency) >= 1, "--concurrency values must be >= 1")
         _require(self.requests is None or self.requests >= 1, "--requests must be >= 1")
         _require(self.max_tokens >= 1, "--max-tokens must be >= 1")
+        _require(self.ramp_up >= 0, "--ramp-up must be >= 0")
         _require(self.duration > 0 and self.timeout > 0, "--duration and --timeout must be > 0")
 
     def num_requests(self, concurrency: int) -> int:
-        return self.requests or max(2 * concurrency, 200)
+        return self.requests or max(4 * concurrency, 1000)
 
 
 def _require(ok, message: str) -> None:
