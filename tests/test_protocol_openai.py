@@ -380,3 +380,13 @@ def test_error_body_shape():
         "error": {"message": "bad", "type": "invalid_request_error", "param": "n", "code": None}}
     assert json.loads(error_body("gone", "not_found_error", code=404))["error"]["code"] == 404
     assert sse_error("x").startswith(b"data: {") and sse_error("x").endswith(b"}\n\n")
+
+
+def test_response_ids_are_random_hex_and_unique_across_pool_refills():
+    from splitserve.protocol.openai import response_id
+    ids = [response_id(i % 2 == 0) for i in range(600)]     # past two refills of 256
+    assert len(set(ids)) == 600
+    for i, rid in enumerate(ids):
+        prefix, _, tail = rid.partition("-")
+        assert prefix == ("chatcmpl" if i % 2 == 0 else "cmpl") and len(tail) == 32
+        int(tail, 16)

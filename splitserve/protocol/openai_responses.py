@@ -33,10 +33,27 @@ class EchoPrompt(NamedTuple):
     first_token_id: int | None = None
 
 
+class _RandomHex:
+    """128-bit random hex ids from os.urandom, read 256 at a time: one system call per 256
+    requests instead of one each (it showed as ~5% of a front-end's time per request).
+    Random, not a counter: a context worker leases KV under this id, which must not be
+    guessable by another client. Single-threaded use (the event loop)."""
+
+    def __init__(self, per_read: int = 256):
+        self._pool, self._at, self._per_read = "", 0, per_read
+
+    def __call__(self) -> str:
+        if self._at == len(self._pool):
+            self._pool, self._at = os.urandom(16 * self._per_read).hex(), 0
+        self._at += 32
+        return self._pool[self._at - 32:self._at]
+
+
+_random_hex = _RandomHex()
+
+
 def response_id(chat: bool) -> str:
-    # Random, not a counter: a context worker leases KV under this id, which must not be
-    # guessable by another client.
-    return ("chatcmpl-" if chat else "cmpl-") + os.urandom(16).hex()
+    return ("chatcmpl-" if chat else "cmpl-") + _random_hex()
 
 
 def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
