@@ -24,7 +24,7 @@ def cluster(tmp_path_factory):
 def test_capital_of_france_through_the_cluster(cluster):
     openai = pytest.importorskip("openai")
     _, gen, orch = cluster
-    client = openai.OpenAI(base_url=orch.url + "/v1", api_key="none")
+    client = openai.OpenAI(base_url=orch.url + "/v1", api_key="none", timeout=120, max_retries=0)
     for relay in ("b64", "metadata"):
         out = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=FRANCE,
                                              max_tokens=32, temperature=0,

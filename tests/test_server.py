@@ -95,7 +95,7 @@ def test_stop_logprobs_and_echo(worker):
 
 def test_openai_client(worker):
     openai = pytest.importorskip("openai")
-    client = openai.OpenAI(base_url=worker.url + "/v1", api_key="none")
+    client = openai.OpenAI(base_url=worker.url + "/v1", api_key="none", timeout=120, max_retries=0)
     out = client.completions.create(model="tiny-random", prompt="Hi", max_tokens=5, temperature=0)
     assert out.usage.completion_tokens == 5 and out.choices[0].finish_reason == "length"
     chat = client.chat.completions.create(model="tiny-random", max_tokens=5, temperature=0,
