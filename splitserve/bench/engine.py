@@ -20,6 +20,7 @@ import time
 import numpy as np
 import torch
 
+from splitserve.bench import plain_reference
 from splitserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from splitserve.engine.core import EngineCore
 from splitserve.sampling_params import SamplingParams
@@ -104,6 +105,13 @@ def run(args) -> dict:
     tps, other = _measure(lambda: bench_prefill(engine, args.prefill_len, args.repeats, rng))
     result["prefill_tok_s"], result["other_cores_busy"]["prefill"] = tps, other
     print(f"  prefill {args.prefill_len} tokens: {tps:7.1f} tok/s{_load_note(other)}")
+    if args.plain_reference:
+        tps, other = _measure(lambda: plain_reference.prefill_tok_s(
+            engine.model_config, config.torch_dtype, args.prefill_len, args.repeats))
+        result["plain_reference_prefill_tok_s"] = tps
+        result["other_cores_busy"]["plain_reference"] = other
+        print(f"  plain PyTorch forward of the same shapes, {args.prefill_len} tokens: "
+              f"{tps:7.1f} tok/s{_load_note(other)}")
     for b in args.batch_sizes:
         tps, other = _measure(lambda: bench_decode(engine, b, args.decode_steps,
                                                    args.decode_prompt_len, rng))
@@ -152,4 +160,8 @@ def add_arguments(p) -> None:
     p.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
     p.add_argument("--decode-steps", type=int, default=32)
     p.add_argument("--decode-prompt-len", type=int, default=64)
+    p.add_argument("--plain-reference", action="store_true",
+                   help="also time a plain PyTorch forward of the model's shapes (nn.Linear, "
+                        "SDPA, random weights; splitserve/bench/plain_reference.py) over the "
+                        "same prompt length: what this machine does without the engine")
     p.add_argument("--json", default=None, help="write the results here")
