@@ -34,8 +34,9 @@ def test_every_mode_runs_against_a_worker_that_skips_kv_pulls(tmp_path):
     finally:
         worker.close()
     assert result["bench_skip_kv_pull"] is True and "skipped" in result["note"]
-    # the 4th connection waits 3/4 of the ramp before its first request
-    assert min(r["duration_s"] for r in result["runs"]) >= 0.3
+    # the 4th connection waits 3/4 of the ramp (0.3 s; timers may fire a little early)
+    # before its first request; without a ramp a run of 10 takes a few milliseconds
+    assert min(r["duration_s"] for r in result["runs"]) >= 0.25
     assert result["worker"]["health"]["bench_skip_kv_pull"] is True
     runs = result["runs"]
     assert [(r["mode"], r["isl"], r["concurrency"]) for r in runs] == [
