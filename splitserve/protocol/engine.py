@@ -4,8 +4,10 @@ Prompt token ids never ride inside these Structs: an AddRequest is followed by o
 little-endian int32 frame (empty for a length-only placeholder).
 
 The per-request Structs are gc=False: they hold plain data and never take part in a
-reference cycle, so the garbage collector need not track the thousands that requests in
-flight keep alive (tracking them made its full passes stall the event loop for ~90 ms)."""
+reference cycle, so the garbage collector need not walk the thousands that requests in
+flight keep alive. (With 1024 requests held decoding, its full passes stalled the
+front-end's event loop for ~86 ms; this and the engine's final-only output for responses
+sent whole brought them to ~20 ms.)"""
 
 from __future__ import annotations
 
