@@ -1,4 +1,5 @@
-"""The front-end's per-request delta queue (server/engine_client.py)."""
+"""The front-end's per-request delta queue and its messages to the engine process
+(server/engine_client.py, protocol/engine.py)."""
 
 import asyncio
 
@@ -36,3 +37,65 @@ def test_a_whole_response_is_woken_once_a_sequence_finishes_and_keeps_order():
     woken, rest = asyncio.run(main())
     assert woken == [False, False, True]
     assert rest == [2, 3]      # the woken get() took delta 1; nothing was lost or reordered
+
+
+def test_one_frame_carries_a_batch_and_a_bad_batch_fails_its_requests_not_the_engine():
+    """A real engine process: prompts submitted in one event-loop turn travel in one frame
+    and each request gets its own prompt back; a frame whose prompt bytes do not match the
+    declared lengths answers each of its requests with an error, and the engine goes on."""
+    import numpy as np
+
+    from splitserve.config import EngineConfig
+    from splitserve.protocol.engine import AddRequest, AddRequests, pack_input
+    from splitserve.sampling_params import SamplingParams
+    from splitserve.server.engine_client import EngineClient
+    from splitserve.tokens import PromptTokens
+
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+
+    async def collect(client, rid, prompt):
+        return [d async for d in client.generate(rid, prompt, params, stream=False)]
+
+    async def main():
+        client = EngineClient(EngineConfig(model="tiny-random", dtype="float32", num_threads=1))
+        await client.start()
+        try:
+            lengths = (3, 17, 5)
+            batch = await asyncio.gather(*(collect(client, f"ok-{n}", PromptTokens(
+                np.arange(1, n + 1, dtype=np.int32))) for n in lengths))
+            # Two requests declaring 4 and 2 tokens with the bytes of 5: the batch is wrong.
+            q1, q2 = DeltaQueue(eager=False), DeltaQueue(eager=False)
+            client.queues.update({"bad-1": q1, "bad-2": q2})
+            reqs = [AddRequest(rid, params, n, False) for rid, n in (("bad-1", 4), ("bad-2", 2))]
+            client.in_sock.send(pack_input(client._encoder.encode(AddRequests(reqs)),
+                                           [np.arange(5, dtype=np.int32).tobytes()]))
+            bad = [await asyncio.wait_for(q.get(), 60) for q in (q1, q2)]
+            after = await collect(client, "after", PromptTokens(np.arange(1, 4, dtype=np.int32)))
+        finally:
+            await client.shutdown()
+        return batch, bad, after
+
+    batch, bad, after = asyncio.run(main())
+    assert [d[-1].num_prompt_tokens for d in batch] == [3, 17, 5]
+    assert all(d[-1].error is None and len(d[-1].token_ids) == 1 for d in batch)
+    assert [d.request_id for d in bad] == ["bad-1", "bad-2"]
+    assert all("do not match its prompt lengths" in d.error for d in bad)
+    assert after[-1].error is None and after[-1].num_prompt_tokens == 3
+
+
+def test_pack_input_splits_back_into_each_requests_prompt():
+    import numpy as np
+
+    from splitserve.protocol.engine import AddRequest, pack_input, split_prompts, unpack_input
+    from splitserve.sampling_params import SamplingParams
+
+    p = SamplingParams()
+    reqs = [AddRequest("a", p, 3, False), AddRequest("b", p, 1000, True), AddRequest("c", p, 2, False)]
+    a, c = np.array([1, 2, 3], "<i4"), np.array([7, -1], "<i4")
+    header, body = unpack_input(memoryview(pack_input(b"HEADER", [a.data.cast("B"), b"", c.tobytes()])))
+    assert bytes(header) == b"HEADER"
+    got = split_prompts(reqs, body)
+    assert [np.frombuffer(g, "<i4").tolist() for g in got] == [[1, 2, 3], [], [7, -1]]
+    assert split_prompts(reqs, body[:-4]) == [None] * 3            # bytes missing
+    assert split_prompts(reqs[:1], body) == [None]                 # bytes left over
+    assert split_prompts([AddRequest("n", p, -2, False)], body[:0]) == [None]

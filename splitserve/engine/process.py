@@ -11,6 +11,7 @@ import logging
 import os
 import queue
 import signal
+import sys
 import threading
 import time
 
@@ -23,11 +24,13 @@ from splitserve.engine.core import EngineCore
 from splitserve.errors import InvalidRequestError
 from splitserve.protocol.engine import (
     AbortRequests, AddRequests, CompletionDelta, EngineDead, EngineInput, EngineOutputs,
-    EngineReady, EngineStats, Shutdown)
+    EngineReady, EngineStats, Shutdown, split_prompts, unpack_input)
 from splitserve.engine.request import FinishReason
 from splitserve.tokens import PromptTokens
 
 logger = logging.getLogger(__name__)
+
+SWITCH_INTERVAL = 0.0005    # seconds: how long the input thread may wait for the GIL
 
 
 def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
@@ -52,6 +55,11 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
     # collector's full passes, which hold the GIL (and so the input thread) for ~0.1 s each.
     gc.collect()
     gc.freeze()
+    # The input thread needs the GIL after each message arrives; while a step runs Python it
+    # waits up to a switch interval for it (5 ms by default: the p99 of a held load's
+    # front-end -> engine hand-off). The other threads mostly wait without the GIL, so a
+    # shorter interval costs the step little.
+    sys.setswitchinterval(SWITCH_INTERVAL)
     bm = engine.block_manager
     dtype = str(engine.runner.kv_cache.dtype).removeprefix("torch.")
     out_q.put(EngineReady(engine.model_config.name, dtype, engine.model_config.vocab_size,
@@ -103,6 +111,9 @@ def _handle(engine: EngineCore, item, deltas: list[CompletionDelta]) -> None:
         return
     msg, frame, received = item
     try:
+        if frame is None:
+            raise InvalidRequestError("the engine received a batch whose prompt bytes do not "
+                                      "match its prompt lengths", "prompt_len")
         if msg.placeholder:
             prompt = PromptTokens.placeholder(msg.prompt_len)
         else:
@@ -128,20 +139,19 @@ def _recv_loop(ctx: zmq.Context, addr: str, in_q: queue.Queue) -> None:
     sock.connect(addr)
     decoder = msgspec.msgpack.Decoder(EngineInput)
     while True:
-        frames = sock.recv_multipart(copy=False)
+        buf = sock.recv(copy=False).buffer
         received = time.time()   # the front-end's part ends here; see Request.admit_time
+        header, prompts = unpack_input(buf)
         try:
-            msg = decoder.decode(frames[0].buffer)
+            msg = decoder.decode(header)
         except msgspec.DecodeError:
             logger.exception("dropped an undecodable message")
             continue
         if not isinstance(msg, AddRequests):
             in_q.put(msg)
-        elif len(frames) != len(msg.requests) + 1:
-            logger.error("dropped %d requests: %d prompt frames", len(msg.requests), len(frames) - 1)
         else:
-            for req, frame in zip(msg.requests, frames[1:]):
-                in_q.put((req, frame.buffer, received))
+            for req, frame in zip(msg.requests, split_prompts(msg.requests, prompts)):
+                in_q.put((req, frame, received))
 
 
 def _send_loop(ctx: zmq.Context, addr: str, out_q: queue.Queue) -> None:

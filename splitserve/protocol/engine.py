@@ -1,7 +1,8 @@
 """Messages between a worker's front-end and its engine-core process (ZeroMQ, msgpack).
 
-Prompt token ids never ride inside these Structs: an AddRequest is followed by one raw
-little-endian int32 frame (empty for a length-only placeholder).
+Prompt token ids never ride inside these Structs: every message to the engine travels as one
+ZeroMQ frame (pack_input): the encoded message, then, for AddRequests, the raw little-endian
+int32 prompts of its requests that are not length-only placeholders, back to back.
 
 The per-request Structs are gc=False: they hold plain data and never take part in a
 reference cycle, so the garbage collector need not walk the thousands that requests in
@@ -83,9 +84,35 @@ class AddRequest(msgspec.Struct, gc=False):
 
 class AddRequests(msgspec.Struct, tag="add"):
     """Every request the front-end submitted in one event-loop turn, in one message: one
-    ZeroMQ send per turn instead of one per request. Frame i + 1 of the message holds
-    requests[i]'s prompt as raw int32 (empty for a placeholder)."""
+    ZeroMQ send per turn instead of one per request (pack_input)."""
     requests: list[AddRequest]
+
+
+def pack_input(header: bytes, prompts=()) -> bytes:
+    """One frame: the encoded message's length (4 bytes, little-endian), the message, and
+    each non-placeholder request's int32 prompt bytes in order. One frame, not one per
+    prompt: the engine's reader thread waits for the GIL once per frame it receives, up to
+    a switch interval each while a step runs Python."""
+    return b"".join([len(header).to_bytes(4, "little"), header, *prompts])
+
+
+def unpack_input(buf: memoryview) -> tuple[memoryview, memoryview]:
+    """(the message to decode, the prompt bytes after it) of a pack_input frame."""
+    n = int.from_bytes(buf[:4], "little")
+    return buf[4:4 + n], buf[4 + n:]
+
+
+def split_prompts(requests: list[AddRequest], body: memoryview) -> list[memoryview | None]:
+    """Each request's prompt bytes (b"" for a placeholder); None for all of them when the
+    bytes do not add up to the declared prompt lengths (the batch was built wrong)."""
+    out, offset = [], 0
+    for req in requests:
+        size = 0 if req.placeholder else 4 * req.prompt_len
+        if size < 0 or offset + size > len(body):
+            return [None] * len(requests)
+        out.append(body[offset:offset + size])
+        offset += size
+    return out if offset == len(body) else [None] * len(requests)
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):

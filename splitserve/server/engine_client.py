@@ -2,8 +2,8 @@
 
 A callback on the output socket's file descriptor routes each CompletionDelta to the
 queue of its request. Requests go out batched: everything submitted during one event-loop
-turn leaves in one AddRequests message at the end of the turn, each prompt as a raw int32
-frame, so a burst of arrivals costs one ZeroMQ send, not one each.
+turn leaves in one AddRequests message at the end of the turn, with the prompts as raw int32
+bytes in the same frame, so a burst of arrivals costs one ZeroMQ send, not one each.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from splitserve.engine.process import run_engine_core
 from splitserve.engine.request import FinishReason
 from splitserve.protocol.engine import (
     AbortRequests, AddRequest, AddRequests, CompletionDelta, EngineDead, EngineOutput, EngineOutputs,
-    EngineReady, EngineStats, RemotePrefill, Shutdown)
+    EngineReady, EngineStats, RemotePrefill, Shutdown, pack_input)
 from splitserve.sampling_params import SamplingParams
 from splitserve.tokens import PromptTokens
 
@@ -191,11 +191,12 @@ class EngineClient:
         batch, self._outbox = self._outbox, []
         if batch:
             header = self._encoder.encode(AddRequests([msg for msg, _ in batch]))
-            self.in_sock.send_multipart([header, *(frame for _, frame in batch)], copy=False)
+            self.in_sock.send(pack_input(header, [frame for _, frame in batch]),
+                              copy=False)
 
     async def abort(self, request_ids: list[str]) -> None:
         self._flush()   # an abort must not overtake the request it aborts
-        self.in_sock.send(self._encoder.encode(AbortRequests(request_ids)))
+        self.in_sock.send(pack_input(self._encoder.encode(AbortRequests(request_ids))))
 
     async def shutdown(self, timeout: float = 10.0) -> None:
         for task in self._tasks:
@@ -205,7 +206,7 @@ class EngineClient:
             self._reader_fd = None
         if self.process is not None and self.process.is_alive():
             try:
-                self.in_sock.send(self._encoder.encode(Shutdown()), zmq.NOBLOCK)
+                self.in_sock.send(pack_input(self._encoder.encode(Shutdown())), zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
             deadline = time.monotonic() + timeout
