@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import time
 
@@ -12,6 +11,7 @@ import orjson
 from aiohttp import web
 
 from splitserve.errors import InvalidRequestError
+from splitserve.gc_policy import ServingGC
 from splitserve.orchestrator import relay
 from splitserve.orchestrator.cluster import ClusterConfig, Server
 from splitserve.orchestrator.routers import make_router
@@ -64,6 +64,7 @@ class Orchestrator:
             web.get("/v1/models", self.models), web.get("/health", self.health),
             web.get("/metrics", self.prometheus)])
         self.session: aiohttp.ClientSession | None = None
+        self.gc = ServingGC()
 
     # -- the request path -----------------------------------------------------------------
     async def generate(self, request: web.Request) -> web.StreamResponse:
@@ -196,8 +197,7 @@ class Orchestrator:
             timeout=aiohttp.ClientTimeout(total=self.config.request_timeout, sock_connect=5.0),
             connector=aiohttp.TCPConnector(limit=0))
         self._health_task = asyncio.create_task(self._health_loop())
-        gc.collect()
-        gc.freeze()   # long-lived objects out of full GC passes (event-loop stalls)
+        self.gc.start()
         runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
         await runner.setup()
         # backlog: connections a burst may open before the loop accepts them
@@ -210,6 +210,7 @@ class Orchestrator:
     async def stop(self, runner: web.AppRunner) -> None:
         self._health_task.cancel()
         await runner.cleanup()
+        self.gc.stop()
         await self.session.close()
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import gc
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -13,6 +12,7 @@ import msgspec
 from aiohttp import web
 
 from splitserve.errors import InvalidRequestError
+from splitserve.gc_policy import ServingGC
 from splitserve.model.loader import load_model_source
 from splitserve.protocol.openai import error_body
 from splitserve.server.config import LISTEN_BACKLOG, ServerConfig
@@ -45,6 +45,7 @@ class WorkerServer:
         # The front-end needs only the tokenizer; weights are read by the engine process.
         self.tokenizer = load_model_source(config.engine.model).tokenizer
         self.pool = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tokenize")
+        self.gc = ServingGC()
         self.metrics = ServerMetrics()
         self.model_name = config.served_model_name
         self.token_text = functools.lru_cache(maxsize=65536)(
@@ -149,10 +150,7 @@ class WorkerServer:
     async def start(self) -> web.AppRunner:
         ready = await self.engine.start(self.config.engine_start_timeout)
         self.model_name = self.model_name or ready.model_name
-        # Everything alive now lives as long as the server: keep it out of the garbage
-        # collector's full passes, which otherwise stall the event loop for ~0.2 s.
-        gc.collect()
-        gc.freeze()
+        self.gc.start()
         runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
         await runner.setup()
         # backlog: connections a burst may open before the loop accepts them
@@ -167,6 +165,7 @@ class WorkerServer:
             await wait_for_stop_signal()
         finally:
             await runner.cleanup()
+            self.gc.stop()
             await self.engine.shutdown()
             self.pool.shutdown(wait=False)
 
