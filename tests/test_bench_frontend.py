@@ -14,8 +14,9 @@ from splitserve.cli import main
 GEN = ("--model", "tiny-random", "--dtype", "float32", "--role", "gen", "--num-blocks", "2048")
 ROW_FIELDS = {"mode", "isl", "concurrency", "max_tokens", "requests", "completed", "errors",
               "truncated_by_duration", "duration_s", "request_throughput", "body_bytes",
-              "server_cpu_s", "server_cpu_per_request_us", "engine_cpu_per_request_us",
-              "client_cpu_per_request_us", "gen_preprocessing_ms", "queue_ms", "client_latency_ms"}
+              "think_time_s", "mean_in_flight", "server_cpu_s", "server_cpu_per_request_us",
+              "engine_cpu_per_request_us", "client_cpu_per_request_us", "gen_preprocessing_ms",
+              "queue_ms", "client_latency_ms"}
 HIST_FIELDS = {"count", "mean_ms", "p50_ms", "p99_ms"}
 
 
@@ -30,7 +31,7 @@ def bench(url: str, tmp_path, *extra: str) -> dict:
 def test_every_mode_runs_against_a_worker_that_skips_kv_pulls(tmp_path):
     worker = Worker(*GEN, "--bench-skip-kv-pull")
     try:
-        result = bench(worker.url, tmp_path, "--ramp-up", "0.4")
+        result = bench(worker.url, tmp_path, "--ramp-up", "0.4", "--think-time", "0.01")
     finally:
         worker.close()
     assert result["bench_skip_kv_pull"] is True and "skipped" in result["note"]
@@ -49,6 +50,7 @@ def test_every_mode_runs_against_a_worker_that_skips_kv_pulls(tmp_path):
         assert set(r["gen_preprocessing_ms"]) == HIST_FIELDS == set(r["queue_ms"])
         assert r["gen_preprocessing_ms"]["count"] == 10
         assert r["client_latency_ms"]["count"] == 10 and r["request_throughput"] > 0
+        assert 0 < r["mean_in_flight"] <= 4
     sizes = {r["mode"]: r["body_bytes"] for r in runs if r["isl"] == 1024}
     assert sizes["metadata"] < sizes["b64"] < sizes["list"]
     assert [t["bound"] for t in result["targets"]] == [1 / 5, 1 / 20, 1.5, 10.0]
@@ -87,7 +89,20 @@ def test_targets_use_the_grid_values_nearest_to_the_issue():
     assert (meta["value"], meta["pass"]) == (0.005, True)
     assert (flat["value"], flat["pass"]) == (1.25, True) and "32768 / ISL 1024" in flat["name"]
     assert (p99["value"], p99["pass"]) == (12.0, False) and "concurrency 8" in p99["name"]
+    assert "closed loop" in p99["name"]
+    # With requests held decoding in the runs, the p99 bound is judged on those.
+    held = dict(row("metadata", 1024, 8, 5, p99_ms=4.0), max_tokens=16, think_time_s=1.0)
+    p99 = frontend_report.evaluate_targets(runs + [held])[3]
+    assert (p99["value"], p99["pass"]) == (4.0, True)
+    assert "8 requests held decoding, think time 1 s" in p99["name"]
     assert frontend._ints("1k, 32k,500") == (1024, 32768, 500)
+
+
+def test_mean_in_flight_counts_each_request_over_its_share_of_the_window():
+    spans = [(0.0, 2.0), (1.0, 3.0), (2.5, 10.0), (-5.0, -1.0)]
+    # over [1, 3]: the first is in flight 1 s, the second 2 s, the third 0.5 s, the last 0
+    assert frontend_client._mean_in_flight(spans, 1.0, 3.0) == 3.5 / 2
+    assert frontend_client._mean_in_flight([], 0.0, 1.0) == 0.0
 
 
 def test_held_requests_cycle_through_lengths_around_max_tokens():

@@ -89,7 +89,7 @@ def benchmark(cfg: FrontendBenchConfig) -> dict:
 def _run(cfg, client: ClientProcess, worker: BenchWorker | None, target: Target, mode: str,
          isl: int, c: int) -> dict:
     spec = RunSpec(target, mode, isl, c, cfg.num_requests(c), cfg.duration, cfg.timeout,
-                   cfg.max_tokens, cfg.ramp_up)
+                   cfg.max_tokens, cfg.ramp_up, cfg.think_time)
     engine_cpu = worker.engine_cpu_seconds() if worker else None
     out = client.run(spec)
     if engine_cpu is not None:
@@ -132,6 +132,10 @@ def add_arguments(p) -> None:
     p.add_argument("--ramp-up", type=float, default=0.0,
                    help="seconds over which each run's connections send their first requests "
                         "(default all at once); with --max-tokens, about a request's lifetime")
+    p.add_argument("--think-time", type=float, default=0.0,
+                   help="mean seconds (exponentially distributed) each connection waits after "
+                        "an answer before its next request, like a user reading it (default "
+                        "0: a closed loop); spreads the arrivals of a held load out")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-gib", type=float, default=2.0, help="KV pool of the started worker")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
@@ -146,7 +150,7 @@ def config_from_args(args) -> FrontendBenchConfig:
         isl=args.isl or (QUICK_ISL if args.quick else DEFAULT_ISL),
         concurrency=args.concurrency or (QUICK_CONCURRENCY if args.quick else DEFAULT_CONCURRENCY),
         requests=args.requests, duration=args.duration, url=args.url, max_tokens=args.max_tokens,
-        ramp_up=args.ramp_up,
+        ramp_up=args.ramp_up, think_time=args.think_time,
         block_size=args.block_size, kv_cache_gib=args.kv_cache_gib, timeout=args.timeout,
         progress=not args.no_progress)
 

@@ -38,6 +38,7 @@ class RunSpec(msgspec.Struct, frozen=True):
     timeout: float
     max_tokens: int = 1
     ramp_up: float = 0.0     # seconds over which the connections send their first requests
+    think_time: float = 0.0  # mean seconds (exponential) a connection waits after an answer
 
 
 def body_parts(target: Target, mode: str, isl: int, max_tokens: int = 1) -> list[bytes]:
@@ -89,9 +90,14 @@ async def drive(spec: RunSpec, variants: list[list[bytes]]) -> dict:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
         conns = await _connect(url, spec.concurrency)
         before = await _scrape(http, url)
-        latencies, failures = [], []
+        latencies, failures, spans = [], [], []
         todo = iter(range(spec.num_requests))    # shared: each index is taken once
         deadline = time.monotonic() + spec.duration
+
+        # Think times: each connection is a user who reads an answer before asking again,
+        # so arrivals are spread out (nearly Poisson), not the bursts of one engine step's
+        # finished requests that a closed loop without them sends back at once.
+        think = np.random.default_rng(spec.concurrency)
 
         async def sender(k: int, conn: HTTPConnection):
             # A ramp spreads the first requests out: all at once, they queue as one burst
@@ -102,16 +108,23 @@ async def drive(spec: RunSpec, variants: list[list[bytes]]) -> dict:
                     break
                 rid = b"bench-%d-%d" % (os.getpid(), i)
                 body = rid.join(variants[i % len(variants)])
-                if not await _send(conn, body, spec, latencies, failures):
+                if not await _send(conn, body, spec, latencies, failures, spans):
                     conn.close()      # a failed connection is replaced
                     conns[k] = conn = await HTTPConnection.open(url)
+                if spec.think_time:
+                    await asyncio.sleep(think.exponential(spec.think_time))
         start, cpu = time.perf_counter(), time.process_time()
         await asyncio.gather(*(sender(k, c) for k, c in enumerate(conns)))
         elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
+        # Past the ramp and before the deadline (what follows only drains), or the whole run.
+        window = (start + spec.ramp_up, start + min(spec.duration, elapsed))
+        if window[1] <= window[0]:
+            window = (start, start + elapsed)
         after = await _scrape(http, url)
         for conn in conns:
             conn.close()
-    return {"latencies_s": latencies, "failures": failures[:5], "num_failed": len(failures),
+    return {"latencies_s": latencies, "in_flight": _mean_in_flight(spans, *window),
+            "failures": failures[:5], "num_failed": len(failures),
             "duration_s": elapsed, "client_cpu_s": cpu, "body_bytes": len(b"bench-0-0".join(variants[0])),
             "metrics_before": before, "metrics_after": after}
 
@@ -129,8 +142,17 @@ async def _connect(url: str, n: int, wave: int = 100) -> list[HTTPConnection]:
     return conns
 
 
+def _mean_in_flight(spans: list[tuple[float, float]], lo: float, hi: float) -> float:
+    """Time-averaged number of requests sent and not yet answered over [lo, hi]."""
+    if not spans or hi <= lo:
+        return 0.0
+    s = np.asarray(spans)
+    overlap = np.minimum(s[:, 1], hi) - np.maximum(s[:, 0], lo)
+    return float(np.clip(overlap, 0, None).sum() / (hi - lo))
+
+
 async def _send(conn: HTTPConnection, body: bytes, spec: RunSpec, latencies: list,
-                failures: list) -> bool:
+                failures: list, spans: list) -> bool:
     """One request; False if the connection failed."""
     t0 = time.perf_counter()
     try:
@@ -138,7 +160,9 @@ async def _send(conn: HTTPConnection, body: bytes, spec: RunSpec, latencies: lis
     except (ConnectionError, OSError, TimeoutError) as exc:
         failures.append(f"{type(exc).__name__}: {exc}")
         return False
-    elapsed = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    spans.append((t0, t1))
+    elapsed = t1 - t0
     if status != 200:
         failures.append(f"HTTP {status}: {data[:300].decode(errors='replace')}")
         return True

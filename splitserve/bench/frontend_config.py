@@ -25,6 +25,7 @@ class FrontendBenchConfig:
     url: str | None = None             # an existing worker; None: start one
     max_tokens: int = 1                # per request; > 1 holds requests decoding on the worker
     ramp_up: float = 0.0               # seconds over which a run's first requests go out
+    think_time: float = 0.0            # mean seconds a connection waits after each answer
     block_size: int = 16
     kv_cache_gib: float = 2.0          # the started worker's KV pool
     timeout: float = 120.0             # seconds per request
@@ -38,6 +39,7 @@ class FrontendBenchConfig:
         _require(self.requests is None or self.requests >= 1, "--requests must be >= 1")
         _require(self.max_tokens >= 1, "--max-tokens must be >= 1")
         _require(self.ramp_up >= 0, "--ramp-up must be >= 0")
+        _require(self.think_time >= 0, "--think-time must be >= 0")
         _require(self.duration > 0 and self.timeout > 0, "--duration and --timeout must be > 0")
 
     def num_requests(self, concurrency: int) -> int:

