@@ -41,7 +41,7 @@ def test_every_mode_runs_against_a_worker_that_skips_kv_pulls(tmp_path):
     assert result["worker"]["health"]["bench_skip_kv_pull"] is True
     runs = result["runs"]
     assert [(r["mode"], r["isl"], r["concurrency"]) for r in runs] == [
-        (m, isl, 4) for isl in (64, 1024) for m in ("list", "b64", "metadata")]
+        (m, isl, 4) for isl in (64, 1024) for m in ("metadata", "b64", "list")]
     for r in runs:
         assert set(r) == ROW_FIELDS
         assert (r["completed"], r["errors"], r["truncated_by_duration"]) == (10, 0, False)
@@ -56,6 +56,20 @@ def test_every_mode_runs_against_a_worker_that_skips_kv_pulls(tmp_path):
     assert [t["bound"] for t in result["targets"]] == [1 / 5, 1 / 20, 1.5, 10.0]
     assert all(isinstance(t["pass"], bool) for t in result["targets"])
     assert (tmp_path / "frontend.png").stat().st_size > 0 and result["plot"].endswith(".png")
+
+
+def test_a_started_worker_is_fresh_for_each_prompt_length(tmp_path):
+    path = tmp_path / "frontend.json"
+    assert main(["--log-level", "WARNING", "bench", "frontend", "--isl", "16,32", "--modes",
+                 "list,metadata", "--concurrency", "2", "--requests", "4", "--no-progress",
+                 "--kv-cache-gib", "0.05", "--json", str(path),
+                 "--plot", str(tmp_path / "frontend.png")]) == 0
+    result = json.loads(path.read_text())
+    urls = result["worker"]["started_per_isl"]
+    assert result["worker"]["started_here"] and len(set(urls)) == 2
+    assert [(r["mode"], r["isl"]) for r in result["runs"]] == [
+        ("metadata", 16), ("list", 16), ("metadata", 32), ("list", 32)]
+    assert all(r["engine_cpu_per_request_us"] is not None for r in result["runs"])
 
 
 def test_refuses_a_worker_that_really_pulls_kv(tmp_path):

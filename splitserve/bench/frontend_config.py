@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MODES = ("list", "b64", "metadata")
+MODES_LIGHT_FIRST = ("metadata", "b64", "list")    # the order a cell's runs go in
 DEFAULT_ISL = (1024, 8192, 32768, 131072)
 DEFAULT_CONCURRENCY = (64, 256, 1024)
 QUICK_ISL, QUICK_CONCURRENCY = (1024, 32768), (64, 256)
