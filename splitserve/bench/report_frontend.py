@@ -59,8 +59,8 @@ HELD = ("The grid above is a closed loop of one-token requests: each answer is f
         "at a useful pace on 2 cores), reads the answer for an exponentially distributed "
         "think time (mean 1 s) and sends the next; the first requests go out over a ramp. "
         "Without think times every engine step's finished requests come back as one burst "
-        "(with them, the metadata p99 was 30-110 ms). `infl` is the mean number in flight "
-        "after the ramp.")
+        "of new ones, and the p99 measures how long the burst queues. `infl` is the mean "
+        "number in flight after the ramp.")
 
 
 def _held(cfg: ReportConfig) -> tuple[str, list[str], dict | None]:
