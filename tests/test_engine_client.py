@@ -90,9 +90,11 @@ def test_pack_input_splits_back_into_each_requests_prompt():
     from splitserve.sampling_params import SamplingParams
 
     p = SamplingParams()
-    reqs = [AddRequest("a", p, 3, False), AddRequest("b", p, 1000, True), AddRequest("c", p, 2, False)]
+    reqs = [AddRequest("a", p, 3, False), AddRequest("b", p, 1000, True),
+            AddRequest("c", p, 2, False)]
     a, c = np.array([1, 2, 3], "<i4"), np.array([7, -1], "<i4")
-    header, body = unpack_input(memoryview(pack_input(b"HEADER", [a.data.cast("B"), b"", c.tobytes()])))
+    frame = pack_input(b"HEADER", [a.data.cast("B"), b"", c.tobytes()])
+    header, body = unpack_input(memoryview(frame))
     assert bytes(header) == b"HEADER"
     got = split_prompts(reqs, body)
     assert [np.frombuffer(g, "<i4").tolist() for g in got] == [[1, 2, 3], [], [7, -1]]

@@ -3,9 +3,9 @@ prompt length (ISL) and concurrency.
 
 A GEN worker (started here, a fresh one per ISL; or one given with --url) runs with
 --bench-skip-kv-pull: a generation_only request gets its blocks, "pulls" nothing, takes its
-first token from the request (max_tokens 1) and frees its blocks at once. What is left to measure is the
-front-end's event loop: reading the body, decoding the relayed prompt (a JSON int list,
-base64 int32, or only its length), checking it and handing it to the engine.
+first token from the request (max_tokens 1) and frees its blocks at once. What is left to
+measure is the front-end's event loop: reading the body, decoding the relayed prompt (a
+JSON int list, base64 int32, or only its length), checking it and handing it to the engine.
 
 For every (ISL, mode, concurrency) a client in its own process sends pre-built bodies at
 fixed concurrency over warm keep-alive connections, each with `X-Sent-At`, and reads the

@@ -80,9 +80,12 @@ def evaluate_targets(runs: list[dict]) -> list[dict]:
     # closed loop of one-token requests is saturated by construction (Little's law puts
     # concurrency / throughput in front of the loop); it is the load only if no held run is.
     held = [r for r in runs if r.get("max_tokens", 1) > 1]
-    load = (f"{held[0]['concurrency']} requests held decoding"
-            + (f", think time {held[0]['think_time_s']:g} s" if held[0].get("think_time_s") else "")
-            if held else f"concurrency {c_hi}, closed loop of one-token requests")
+    if not held:
+        load = f"concurrency {c_hi}, closed loop of one-token requests"
+    else:
+        load = f"{held[0]['concurrency']} requests held decoding"
+        if held[0].get("think_time_s"):
+            load += f", think time {held[0]['think_time_s']:g} s"
     targets = [
         _ratio_target(runs, f"server CPU/request b64 / list at ISL {mid}", "b64", "list",
                       mid, mid, 1 / 5),
@@ -108,7 +111,8 @@ def format_table(runs: list[dict]) -> str:
              "ms: pre = gen_preprocessing (X-Sent-At -> engine admission), queue = admission -> "
              "KV blocks (server percentiles interpolated in histogram buckets), lat = client. "
              "* = stopped by --duration",
-             f"{'mode':<9}{'ISL':>7}{'conc':>6}{'infl':>6}{'ok':>6}{'req/s':>7}{'fe':>7}{'eng':>7}{'cli':>7}"
+             f"{'mode':<9}{'ISL':>7}{'conc':>6}{'infl':>6}{'ok':>6}{'req/s':>7}{'fe':>7}"
+             f"{'eng':>7}{'cli':>7}"
              f"{'fe%':>5}{'pre p50':>9}{'pre p99':>9}{'queue p99':>10}{'lat p50':>9}{'lat p99':>9}"
              f"{'KiB':>6}"]
     for r in runs:
