@@ -105,7 +105,7 @@ def test_bad_relayed_tokens_get_400_and_leak_nothing(cluster):
 def test_b64_path_builds_no_python_list_of_the_prompt(cluster, monkeypatch, tiny_source):
     """A generation front-end in this process (its engine a real child process): building a
     list of the prompt anywhere on the b64 path fails the request."""
-    from aiohttp.test_utils import TestClient, TestServer
+    import aiohttp
     from splitserve.config import EngineConfig
     from splitserve.server.app import WorkerServer
     from splitserve.server.config import ServerConfig
@@ -118,18 +118,19 @@ def test_b64_path_builds_no_python_list_of_the_prompt(cluster, monkeypatch, tiny
         raise AssertionError("a Python list of the prompt was built")
 
     async def run():
-        server = WorkerServer(ServerConfig(role="gen", engine=EngineConfig(
+        server = WorkerServer(ServerConfig(role="gen", port=0, engine=EngineConfig(
             model="tiny-random", dtype="float32", num_threads=1)))
-        await server.engine.start()
-        server.model_name = "tiny-random"
+        await server.start()
         monkeypatch.setattr(PromptTokens, "tolist", forbidden)
         monkeypatch.setattr(PromptTokens, "from_list", forbidden)
-        async with TestClient(TestServer(server.app)) as client:
-            r = await client.post("/v1/completions", json={**COMPLETION, "disaggregated_params": {
-                **dp, "request_type": "generation_only"}})
-            body = await r.json()
-        await server.engine.shutdown()
-        return r.status, body
+        try:
+            async with aiohttp.ClientSession() as client:
+                url = f"http://127.0.0.1:{server.http.port}/v1/completions"
+                async with client.post(url, json={**COMPLETION, "disaggregated_params": {
+                        **dp, "request_type": "generation_only"}}) as r:
+                    return r.status, await r.json()
+        finally:
+            await server.stop()
 
     status, body = asyncio.run(run())
     assert status == 200, body

@@ -16,7 +16,7 @@ def versions() -> dict:
         except metadata.PackageNotFoundError:
             return None
     return {"splitserve": splitserve.__version__, "python": platform.python_version(),
-            **{p: version(p) for p in ("torch", "aiohttp", "numpy")}}
+            **{p: version(p) for p in ("torch", "aiohttp", "httptools", "numpy")}}
 
 
 def machine() -> dict:

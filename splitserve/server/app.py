@@ -1,4 +1,4 @@
-"""The worker's HTTP front-end: aiohttp on uvloop, one engine-core process behind it."""
+"""The worker's HTTP front-end: splitserve.httpd on uvloop, one engine-core process behind it."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
-from aiohttp import web
 
 from splitserve.errors import InvalidRequestError
 from splitserve.gc_policy import ServingGC
+from splitserve.httpd import ChunkedStream, HTTPServer, Request, Response, json_response
 from splitserve.model.loader import load_model_source
 from splitserve.protocol.openai import error_body
 from splitserve.server.config import LISTEN_BACKLOG, ServerConfig
@@ -52,17 +52,16 @@ class WorkerServer:
             lambda i: self.tokenizer.decode([i], skip_special_tokens=False))
         self.created = int(time.time())
         gen = GenerateHandlers(self)
-        self.app = web.Application(client_max_size=config.max_body_bytes,
-                                   middlewares=[self._errors])
-        self.app.add_routes([
-            web.post("/v1/completions", gen.completions),
-            web.post("/v1/chat/completions", gen.chat),
-            web.get("/v1/models", self.models),
-            web.get("/health", self.health),
-            web.get("/metrics", self.prometheus),
-            web.post("/tokenize", self.tokenize),
-            web.post("/detokenize", self.detokenize),
-        ])
+        self.routes = {                    # path -> (method, handler)
+            "/v1/completions": ("POST", gen.completions),
+            "/v1/chat/completions": ("POST", gen.chat),
+            "/v1/models": ("GET", self.models),
+            "/health": ("GET", self.health),
+            "/metrics": ("GET", self.prometheus),
+            "/tokenize": ("POST", self.tokenize),
+            "/detokenize": ("POST", self.detokenize),
+        }
+        self.http = HTTPServer(self.dispatch, config.max_body_bytes, config.log_prefix)
 
     async def in_pool(self, fn):
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn)
@@ -72,14 +71,21 @@ class WorkerServer:
             raise ModelNotFound(f"the model `{name}` does not exist; this server serves "
                                 f"`{self.model_name}`", "model")
 
-    @web.middleware
-    async def _errors(self, request: web.Request, handler):
-        """Every failure becomes an OpenAI-style error body; nothing escapes as a traceback."""
+    async def dispatch(self, request: Request) -> Response | ChunkedStream:
+        """Route a request; every failure becomes an OpenAI-style error body, nothing escapes
+        as a traceback."""
+        route = self.routes.get(request.path)
         status = 500
         try:
-            resp = await handler(request)
-            status = resp.status
-            return resp
+            if route is None:
+                response = _error(404, f"no endpoint {request.path}", "NotFoundError")
+            elif request.method != route[0]:
+                response = _error(405, f"{request.path} takes {route[0]}, not {request.method}",
+                                  "invalid_request_error")
+            else:
+                response = await route[1](request)
+            status = response.status
+            return response
         except ModelNotFound as exc:
             status = 404
             return _error(404, exc.message, "NotFoundError", exc.param, "model_not_found")
@@ -89,11 +95,6 @@ class WorkerServer:
         except EngineDeadError as exc:
             status = 503
             return _error(503, f"engine is not running: {exc}", "server_error")
-        except web.HTTPException as exc:
-            status = exc.status
-            kind = "invalid_request_error" if exc.status < 500 else "server_error"
-            return _error(exc.status, exc.reason if exc.status != 413 else
-                          f"request body too large (limit {self.config.max_body_bytes} bytes)", kind)
         except (asyncio.CancelledError, ConnectionResetError):
             status = 499   # the client went away
             raise
@@ -101,32 +102,32 @@ class WorkerServer:
             logger.exception("%s: request failed", self.config.log_prefix)
             return _error(500, f"internal error: {exc}", "server_error")
         finally:
-            self.metrics.request_done(request.path, status)
+            self.metrics.request_done(request.path if route else "other", status)
 
     # -- small endpoints ------------------------------------------------------------------
-    async def models(self, request: web.Request) -> web.Response:
+    async def models(self, request: Request) -> Response:
         ready = self.engine.ready
-        return web.json_response({"object": "list", "data": [{
+        return json_response({"object": "list", "data": [{
             "id": self.model_name, "object": "model", "created": self.created,
             "owned_by": "splitserve", "max_model_len": ready.max_model_len if ready else None}]})
 
-    async def health(self, request: web.Request) -> web.Response:
+    async def health(self, request: Request) -> Response:
         if self.engine.healthy:
             body = {"status": "ok", "role": self.config.role}
             if self.config.engine.kv.bench_skip_pull:   # `bench frontend --url` checks this
                 body["bench_skip_kv_pull"] = True
-            return web.json_response(body)
+            return json_response(body)
         return _error(503, f"engine is not running: {self.engine.dead_reason or 'starting'}",
                       "server_error")
 
-    async def prometheus(self, request: web.Request) -> web.Response:
+    async def prometheus(self, request: Request) -> Response:
         self.metrics.update_engine(self.engine.stats)
         self.metrics.update_process()
-        return web.Response(body=self.metrics.render(),
-                            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+        return Response(self.metrics.render(),
+                        content_type="text/plain; version=0.0.4; charset=utf-8")
 
-    async def tokenize(self, request: web.Request) -> web.Response:
-        body = _decode(_TokenizeBody, await request.read())
+    async def tokenize(self, request: Request) -> Response:
+        body = _decode(_TokenizeBody, request.body)
         tok = self.tokenizer
         if (body.prompt is None) == (body.messages is None):
             raise InvalidRequestError("send exactly one of prompt or messages", "prompt")
@@ -135,45 +136,44 @@ class WorkerServer:
             ids = await self.in_pool(lambda: tok.encode(text, add_special_tokens=False))
         else:
             ids = await self.in_pool(lambda: tok.encode(body.prompt, body.add_special_tokens))
-        return web.json_response({"tokens": ids.tolist(), "count": len(ids),
+        return json_response({"tokens": ids.tolist(), "count": len(ids),
                                   "max_model_len": self.engine.ready.max_model_len})
 
-    async def detokenize(self, request: web.Request) -> web.Response:
-        body = _decode(_DetokenizeBody, await request.read())
+    async def detokenize(self, request: Request) -> Response:
+        body = _decode(_DetokenizeBody, request.body)
         bad = [t for t in body.tokens if not 0 <= t < self.engine.ready.vocab_size]
         if bad:
             raise InvalidRequestError(f"token ids outside the vocabulary: {bad[:5]}", "tokens")
         text = await self.in_pool(lambda: self.tokenizer.decode(body.tokens))
-        return web.json_response({"prompt": text})
+        return json_response({"prompt": text})
 
     # -- lifecycle ------------------------------------------------------------------------
-    async def start(self) -> web.AppRunner:
+    async def start(self) -> None:
         ready = await self.engine.start(self.config.engine_start_timeout)
         self.model_name = self.model_name or ready.model_name
         self.gc.start()
-        runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
-        await runner.setup()
         # backlog: connections a burst may open before the loop accepts them
-        await web.TCPSite(runner, self.config.host, self.config.port, backlog=LISTEN_BACKLOG).start()
+        await self.http.start(self.config.host, self.config.port, LISTEN_BACKLOG)
         logger.info("%s: serving %s (%s) on http://%s:%d", self.config.log_prefix, ready.model_name,
-                    ready.dtype, self.config.host, self.config.port)
-        return runner
+                    ready.dtype, self.config.host, self.http.port)
+
+    async def stop(self) -> None:
+        await self.http.close()
+        self.gc.stop()
+        await self.engine.shutdown()
+        self.pool.shutdown(wait=False)
 
     async def run(self) -> None:
-        runner = await self.start()
+        await self.start()
         try:
             await wait_for_stop_signal()
         finally:
-            await runner.cleanup()
-            self.gc.stop()
-            await self.engine.shutdown()
-            self.pool.shutdown(wait=False)
+            await self.stop()
 
 
 def _error(status: int, message: str, type: str, param: str | None = None,
-           code: str | None = None) -> web.Response:
-    return web.Response(status=status, body=error_body(message, type, param, code),
-                        content_type="application/json")
+           code: str | None = None) -> Response:
+    return Response(error_body(message, type, param, code), status)
 
 
 def _decode(struct, body: bytes):

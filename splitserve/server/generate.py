@@ -13,10 +13,10 @@ from contextlib import aclosing
 from typing import AsyncIterator
 
 import numpy as np
-from aiohttp import web
 
 from splitserve.engine.prompt_reads import prompt_value_readers
 from splitserve.errors import InvalidRequestError
+from splitserve.httpd import ChunkedStream, Request, Response
 from splitserve.protocol.disagg import DisaggregatedParams
 from splitserve.protocol.engine import CompletionDelta, RemotePrefill
 from splitserve.protocol.openai import (
@@ -34,9 +34,9 @@ class GenerateHandlers:
     def __init__(self, server):
         self.server = server          # server.app.WorkerServer: engine, tokenizer, metrics
 
-    async def completions(self, request: web.Request) -> web.StreamResponse:
+    async def completions(self, request: Request) -> Response | ChunkedStream:
         arrival = _arrival(request)
-        req = decode_completion_request(await request.read())
+        req = decode_completion_request(request.body)
         self.server.check_model(req.model)
         params = req.sampling_params()
         if _request_type(req) == "generation_only":
@@ -52,9 +52,9 @@ class GenerateHandlers:
         echo = [EchoPrompt(t, int(p.array[0])) for p, t in zip(prompts, texts)] if req.echo else ()
         return await self._respond(request, req, prompts, params, echo, arrival, remote)
 
-    async def chat(self, request: web.Request) -> web.StreamResponse:
+    async def chat(self, request: Request) -> Response | ChunkedStream:
         arrival = _arrival(request)
-        req = decode_chat_request(await request.read())
+        req = decode_chat_request(request.body)
         self.server.check_model(req.model)
         params = req.sampling_params()
         if _request_type(req) == "generation_only":
@@ -124,7 +124,7 @@ class GenerateHandlers:
                 handoff = handoff or (delta if delta.kv_handle is not None else None)
         failed = acc.error_response()
         if failed is not None:
-            return web.Response(status=failed[0], body=failed[1], content_type="application/json")
+            return Response(failed[1], failed[0])
         extra = None
         if handoff is not None:
             extra = {"disaggregated_params": DisaggregatedParams(
@@ -133,12 +133,11 @@ class GenerateHandlers:
                 prompt_len=len(prompts[0]), kv_handle=handoff.kv_handle,
                 token_relay=req.disaggregated_params.token_relay,
                 **_relay_fields(req.disaggregated_params.token_relay, prompts[0]))}
-        return web.Response(body=acc.body(extra), content_type="application/json")
+        return Response(acc.body(extra))
 
-    async def _stream(self, request, req, deltas, observe, kwargs) -> web.StreamResponse:
+    async def _stream(self, request, req, deltas, observe, kwargs) -> ChunkedStream:
         enc = StreamEncoder(req, self.server.model_name, **kwargs)
-        resp = web.StreamResponse(headers=SSE_HEADERS)
-        await resp.prepare(request)
+        resp = request.stream(SSE_HEADERS)
         async with aclosing(deltas):
             async for i, delta in deltas:
                 observe(i, delta)
@@ -150,7 +149,7 @@ class GenerateHandlers:
         if req.include_usage:
             await resp.write(enc.usage_chunk())
         await resp.write(DONE)
-        await resp.write_eof()
+        resp.end()
         return resp
 
     async def _merged(self, rid: str, prompts: list[PromptTokens], params: SamplingParams,
@@ -223,10 +222,10 @@ class _Observer:
             m.kv_transfer.observe(delta.kv_transfer_time)
 
 
-def _arrival(request: web.Request) -> float:
+def _arrival(request: Request) -> float:
     """When the sender wrote the request (its X-Sent-At header, same host clock), else now:
     so time queued in front of this event loop counts in the preprocessing metrics."""
-    sent = request.headers.get("X-Sent-At")
+    sent = request.header("X-Sent-At")
     try:
         return float(sent) if sent else time.time()
     except ValueError:

@@ -1,0 +1,114 @@
+"""A parsed HTTP request, a whole response, and a chunked (SSE) response stream.
+
+The request body is complete before a handler runs (the connection buffers it, within the
+server's body limit), so `request.body` is plain bytes and reading it costs nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from email.utils import formatdate
+from http import HTTPStatus
+from typing import TYPE_CHECKING
+
+import msgspec
+
+if TYPE_CHECKING:
+    from splitserve.httpd.protocol import HTTPConnection
+
+_REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
+
+
+_date = [0, b""]   # [second, b"Date: ...\r\n"]: formatted once a second, not per response
+
+
+def status_line(status: int) -> bytes:
+    """The status line, and the Date and Server headers every response carries."""
+    now = int(time.time())
+    if now != _date[0]:
+        stamp = formatdate(now, usegmt=True).encode()
+        _date[:] = now, b"Date: %s\r\nServer: splitserve\r\n" % stamp
+    return b"HTTP/1.1 %d %s\r\n%s" % (status, _REASONS.get(status, b"Unknown"), _date[1])
+
+
+def header_block(headers: dict[str, str] | None) -> bytes:
+    if not headers:
+        return b""
+    return "".join(f"{k}: {v}\r\n" for k, v in headers.items()).encode("latin-1")
+
+
+class Request:
+    __slots__ = ("method", "path", "query", "raw_headers", "body", "keep_alive", "conn")
+
+    def __init__(self, method: str, target: bytes, raw_headers: list[tuple[bytes, bytes]],
+                 body: bytes, keep_alive: bool, conn: HTTPConnection):
+        path, _, query = target.partition(b"?")
+        self.method, self.path, self.query = method, path.decode("latin-1"), query
+        self.raw_headers, self.body, self.keep_alive = raw_headers, body, keep_alive
+        self.conn = conn
+
+    def header(self, name: str) -> str | None:
+        """The first value of header `name` (any case), or None. Headers stay raw bytes until
+        asked for: a request usually needs one or two of them."""
+        want = name.lower().encode("latin-1")
+        for key, value in self.raw_headers:
+            if key.lower() == want:
+                return value.decode("latin-1")
+        return None
+
+    def stream(self, headers: dict[str, str], status: int = 200) -> ChunkedStream:
+        """Send the status line and headers now; the body follows in chunks."""
+        return ChunkedStream(self.conn, status, headers, self.keep_alive)
+
+
+class Response:
+    """A whole response: written with one transport.write (status line, headers, body)."""
+
+    __slots__ = ("status", "body", "content_type", "headers")
+
+    def __init__(self, body: bytes = b"", status: int = 200,
+                 content_type: str = "application/json", headers: dict[str, str] | None = None):
+        self.status, self.body, self.content_type = status, body, content_type
+        self.headers = headers
+
+    def encode(self, keep_alive: bool) -> bytes:
+        return b"%sContent-Type: %s\r\nContent-Length: %d\r\n%s%s\r\n%s" % (
+            status_line(self.status), self.content_type.encode("latin-1"), len(self.body),
+            header_block(self.headers), b"" if keep_alive else b"Connection: close\r\n",
+            self.body)
+
+
+def json_response(obj, status: int = 200) -> Response:
+    return Response(msgspec.json.encode(obj), status)
+
+
+class ChunkedStream:
+    """A response body sent as it is produced (Transfer-Encoding: chunked). write() waits
+    while the client reads slower than we write, and raises ConnectionResetError once the
+    client has gone, so a handler streaming tokens stops (and aborts its engine request)."""
+
+    __slots__ = ("conn", "status", "ended")
+
+    def __init__(self, conn: HTTPConnection, status: int, headers: dict[str, str],
+                 keep_alive: bool):
+        self.conn, self.status, self.ended = conn, status, False
+        conn.stream = self
+        conn.transport.write(b"%sTransfer-Encoding: chunked\r\n%s%s\r\n" % (
+            status_line(status), header_block(headers),
+            b"" if keep_alive else b"Connection: close\r\n"))
+
+    async def write(self, data: bytes) -> None:
+        if not data:
+            return
+        conn = self.conn
+        if conn.transport.is_closing():
+            raise ConnectionResetError("the client closed the connection")
+        conn.transport.write(b"%x\r\n%s\r\n" % (len(data), data))
+        if conn.write_paused:
+            await conn.drain()
+
+    def end(self) -> None:
+        if not self.ended:
+            self.ended = True
+            if not self.conn.transport.is_closing():
+                self.conn.transport.write(b"0\r\n\r\n")
