@@ -259,3 +259,15 @@ def test_whole_response_encoding():
     assert lines[1].startswith(b"Date: ") and lines[1].endswith(b" GMT")
     assert lines[2:] == [b"Server: splitserve", b"Content-Type: application/json",
                          b"Content-Length: 2", b"X-A: 1"]
+
+
+def test_idle_keep_alive_connections_are_closed_after_the_timeout():
+    async def main():
+        server = HTTPServer(App(), LIMIT, "test")
+        await server.start("127.0.0.1", 0, 128, keepalive_timeout=0.2)
+        response, reader, _ = await exchange(server, request("GET", "/a"))
+        eof = await asyncio.wait_for(reader.read(), 5) == b""
+        await server.close()
+        return response[0], eof
+
+    assert run(main()) == (200, True)

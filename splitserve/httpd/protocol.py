@@ -40,7 +40,7 @@ class HTTPConnection(asyncio.Protocol):
         self.write_paused = False
         self._read_paused = False
         self._drain_waiter: asyncio.Future | None = None
-        self._idle_timer: asyncio.TimerHandle | None = None
+        self.idle_since: float | None = None        # loop time it last went idle; None: busy
         self._begin()
 
     # -- transport events -----------------------------------------------------------------
@@ -57,8 +57,6 @@ class HTTPConnection(asyncio.Protocol):
         self.queue.clear()
         if self.task is not None:
             self.task.cancel()          # the client went away: stop its work (engine aborts)
-        if self._idle_timer is not None:
-            self._idle_timer.cancel()
         self._wake_writer(ConnectionResetError("the client closed the connection"))
 
     def pause_writing(self) -> None:
@@ -81,9 +79,7 @@ class HTTPConnection(asyncio.Protocol):
             waiter.set_result(None) if exc is None else waiter.set_exception(exc)
 
     def data_received(self, data: bytes) -> None:
-        if self._idle_timer is not None:
-            self._idle_timer.cancel()
-            self._idle_timer = None
+        self.idle_since = None
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -200,8 +196,9 @@ class HTTPConnection(asyncio.Protocol):
             self.transport.close()
 
     def _wait_idle(self) -> None:
+        """Idle until the next request; the server's sweep closes connections idle longer
+        than KEEPALIVE_TIMEOUT (a timestamp per request, not a timer)."""
         if self.server.closing:
             self.transport.close()
         else:
-            self._idle_timer = asyncio.get_running_loop().call_later(
-                KEEPALIVE_TIMEOUT, self.transport.close)
+            self.idle_since = asyncio.get_running_loop().time()

@@ -16,7 +16,7 @@ import time
 from typing import Awaitable, Callable
 
 from splitserve.httpd.messages import ChunkedStream, Request, Response
-from splitserve.httpd.protocol import HTTPConnection
+from splitserve.httpd.protocol import KEEPALIVE_TIMEOUT, HTTPConnection
 
 logger = logging.getLogger(__name__)
 
@@ -29,11 +29,25 @@ class HTTPServer:
         self.connections: set[HTTPConnection] = set()
         self.closing = False
         self._server: asyncio.AbstractServer | None = None
+        self._sweeper: asyncio.Task | None = None
 
-    async def start(self, host: str, port: int, backlog: int) -> None:
+    async def start(self, host: str, port: int, backlog: int,
+                    keepalive_timeout: float = KEEPALIVE_TIMEOUT) -> None:
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(lambda: HTTPConnection(self), host, port,
                                                 backlog=backlog, reuse_address=True)
+        self._sweeper = asyncio.create_task(self._close_idle(keepalive_timeout))
+
+    async def _close_idle(self, timeout: float) -> None:
+        """Close keep-alive connections idle for longer than `timeout` seconds (checked
+        every timeout / 4)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(timeout / 4)
+            cutoff = loop.time() - timeout
+            for conn in [c for c in self.connections
+                         if c.idle_since is not None and c.idle_since < cutoff]:
+                conn.transport.close()
 
     @property
     def port(self) -> int:
@@ -46,6 +60,7 @@ class HTTPServer:
         if self._server is None:
             return
         self.closing = True
+        self._sweeper.cancel()
         self._server.close()
         for conn in list(self.connections):
             if conn.task is None:
