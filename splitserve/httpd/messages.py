@@ -91,6 +91,8 @@ class ChunkedStream:
 
     def __init__(self, conn: HTTPConnection, status: int, headers: dict[str, str],
                  keep_alive: bool):
+        if conn.transport.is_closing():
+            raise ConnectionResetError("the client closed the connection")
         self.conn, self.status, self.ended = conn, status, False
         conn.stream = self
         conn.transport.write(b"%sTransfer-Encoding: chunked\r\n%s%s\r\n" % (
