@@ -23,7 +23,7 @@ HIST_FIELDS = {"count", "mean_ms", "p50_ms", "p99_ms"}
 def bench(url: str, tmp_path, *extra: str) -> dict:
     path = tmp_path / "frontend.json"
     assert main(["--log-level", "WARNING", "bench", "frontend", "--url", url, "--isl", "64,1024",
-                 "--concurrency", "4", "--requests", "10", "--no-progress",
+                 "--concurrency", "4", "--requests", "10", "--min-duration", "0", "--no-progress",
                  "--json", str(path), "--plot", str(tmp_path / "frontend.png"), *extra]) == 0
     return json.loads(path.read_text())
 
@@ -32,8 +32,14 @@ def test_every_mode_runs_against_a_worker_that_skips_kv_pulls(tmp_path):
     worker = Worker(*GEN, "--bench-skip-kv-pull")
     try:
         result = bench(worker.url, tmp_path, "--ramp-up", "0.4", "--think-time", "0.01")
+        longer = bench(worker.url, tmp_path, "--modes", "metadata", "--isl", "64",
+                       "--min-duration", "0.5")
     finally:
         worker.close()
+    # a run that would end in milliseconds keeps sending until --min-duration has passed
+    (run,) = longer["runs"]
+    assert run["duration_s"] >= 0.45 and run["completed"] > 10
+    assert not run["truncated_by_duration"]
     assert result["bench_skip_kv_pull"] is True and "skipped" in result["note"]
     # the 4th connection waits 3/4 of the ramp (0.3 s; timers may fire a little early)
     # before its first request; without a ramp a run of 10 takes a few milliseconds
@@ -61,7 +67,8 @@ def test_every_mode_runs_against_a_worker_that_skips_kv_pulls(tmp_path):
 def test_a_started_worker_is_fresh_for_each_prompt_length(tmp_path):
     path = tmp_path / "frontend.json"
     assert main(["--log-level", "WARNING", "bench", "frontend", "--isl", "16,32", "--modes",
-                 "list,metadata", "--concurrency", "2", "--requests", "4", "--no-progress",
+                 "list,metadata", "--concurrency", "2", "--requests", "4", "--min-duration", "0",
+                 "--no-progress",
                  "--kv-cache-gib", "0.05", "--json", str(path),
                  "--plot", str(tmp_path / "frontend.png")]) == 0
     result = json.loads(path.read_text())

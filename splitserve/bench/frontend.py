@@ -101,7 +101,7 @@ def benchmark(cfg: FrontendBenchConfig) -> dict:
 def _run(cfg, client: ClientProcess, worker: BenchWorker | None, target: Target, mode: str,
          isl: int, c: int) -> dict:
     spec = RunSpec(target, mode, isl, c, cfg.num_requests(c), cfg.duration, cfg.timeout,
-                   cfg.max_tokens, cfg.ramp_up, cfg.think_time)
+                   cfg.max_tokens, cfg.ramp_up, cfg.think_time, cfg.min_duration)
     engine_cpu = worker.engine_cpu_seconds() if worker else None
     out = client.run(spec)
     if engine_cpu is not None:
@@ -133,6 +133,9 @@ def add_arguments(p) -> None:
                    help="per run (default max(4*concurrency, 1000))")
     p.add_argument("--duration", type=float, default=20.0,
                    help="seconds per run at most; requests in flight finish")
+    p.add_argument("--min-duration", type=float, default=2.0,
+                   help="seconds per run at least: a run that finishes its --requests sooner "
+                        "keeps sending, so CPU per request is not read off a tenth of a second")
     p.add_argument("--quick", action="store_true",
                    help="a small grid (ISL 1k,32k; concurrency 64,256) unless --isl/--concurrency")
     p.add_argument("--url", default=None, help="an existing worker started with "
@@ -161,7 +164,8 @@ def config_from_args(args) -> FrontendBenchConfig:
         modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()),
         isl=args.isl or (QUICK_ISL if args.quick else DEFAULT_ISL),
         concurrency=args.concurrency or (QUICK_CONCURRENCY if args.quick else DEFAULT_CONCURRENCY),
-        requests=args.requests, duration=args.duration, url=args.url, max_tokens=args.max_tokens,
+        requests=args.requests, duration=args.duration, min_duration=args.min_duration,
+        url=args.url, max_tokens=args.max_tokens,
         ramp_up=args.ramp_up, think_time=args.think_time,
         block_size=args.block_size, kv_cache_gib=args.kv_cache_gib, timeout=args.timeout,
         progress=not args.no_progress)

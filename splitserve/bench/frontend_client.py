@@ -5,6 +5,7 @@ request is written), from a process of its own."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import multiprocessing
 import os
 import time
@@ -39,6 +40,7 @@ class RunSpec(msgspec.Struct, frozen=True):
     max_tokens: int = 1
     ramp_up: float = 0.0     # seconds over which the connections send their first requests
     think_time: float = 0.0  # mean seconds (exponential) a connection waits after an answer
+    min_duration: float = 0.0  # seconds the run lasts at least: it sends past num_requests
 
 
 def body_parts(target: Target, mode: str, isl: int, max_tokens: int = 1) -> list[bytes]:
@@ -91,8 +93,9 @@ async def drive(spec: RunSpec, variants: list[list[bytes]]) -> dict:
         conns = await _connect(url, spec.concurrency)
         before = await _scrape(http, url)
         latencies, failures, spans = [], [], []
-        todo = iter(range(spec.num_requests))    # shared: each index is taken once
+        todo = itertools.count()                 # shared: each index is taken once
         deadline = time.monotonic() + spec.duration
+        long_enough = time.monotonic() + spec.min_duration
 
         # Think times: each connection is a user who reads an answer before asking again,
         # so arrivals are spread out (nearly Poisson), not the bursts of one engine step's
@@ -104,7 +107,8 @@ async def drive(spec: RunSpec, variants: list[list[bytes]]) -> dict:
             # that a held load (max_tokens > 1) never has again.
             await asyncio.sleep(spec.ramp_up * k / spec.concurrency)
             for i in todo:
-                if time.monotonic() > deadline:
+                now = time.monotonic()
+                if now > deadline or (i >= spec.num_requests and now >= long_enough):
                     break
                 rid = b"bench-%d-%d" % (os.getpid(), i)
                 body = rid.join(variants[i % len(variants)])

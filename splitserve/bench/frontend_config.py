@@ -23,6 +23,7 @@ class FrontendBenchConfig:
     concurrency: tuple[int, ...] = DEFAULT_CONCURRENCY
     requests: int | None = None        # per run; None: max(4 * concurrency, 1000)
     duration: float = 20.0             # seconds per run at most; requests in flight finish
+    min_duration: float = 2.0          # seconds per run at least (more requests if need be)
     url: str | None = None             # an existing worker; None: start one
     max_tokens: int = 1                # per request; > 1 holds requests decoding on the worker
     ramp_up: float = 0.0               # seconds over which a run's first requests go out
@@ -42,6 +43,8 @@ class FrontendBenchConfig:
         _require(self.ramp_up >= 0, "--ramp-up must be >= 0")
         _require(self.think_time >= 0, "--think-time must be >= 0")
         _require(self.duration > 0 and self.timeout > 0, "--duration and --timeout must be > 0")
+        _require(0 <= self.min_duration <= self.duration,
+                 "--min-duration must be >= 0 and at most --duration")
 
     def num_requests(self, concurrency: int) -> int:
         return self.requests or max(4 * concurrency, 1000)
