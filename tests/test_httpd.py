@@ -271,3 +271,18 @@ def test_idle_keep_alive_connections_are_closed_after_the_timeout():
         return response[0], eof
 
     assert run(main()) == (200, True)
+
+
+def test_an_upgrade_request_is_answered_as_http_1_1_and_the_connection_closed():
+    async def main():
+        server = await serve(App())
+        response, reader, _ = await exchange(server, request(
+            "GET", "/a", extra="Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\n"
+                              "HTTP2-Settings: AAMAAABkAAQAAP__\r\n") + b"PRI * HTTP/2.0\r\n")
+        eof = await asyncio.wait_for(reader.read(), 5) == b""
+        await server.close()
+        return response, eof
+
+    (status, headers, body), eof = run(main())
+    assert status == 200 and json.loads(body)["path"] == "/a"
+    assert headers["connection"] == "close" and eof

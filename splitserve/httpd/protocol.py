@@ -41,6 +41,7 @@ class HTTPConnection(asyncio.Protocol):
         self._read_paused = False
         self._drain_waiter: asyncio.Future | None = None
         self.idle_since: float | None = None        # loop time it last went idle; None: busy
+        self._last: Request | None = None           # the request parsed last
         self._begin()
 
     # -- transport events -----------------------------------------------------------------
@@ -84,19 +85,19 @@ class HTTPConnection(asyncio.Protocol):
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             # Upgrades (h2c, websocket) are not offered: the request that asked is answered
-            # as plain HTTP/1.1 (it is queued already), and the connection closes after it.
-            if self.queue and isinstance(self.queue[-1], Request):
-                self.queue[-1].keep_alive = False
+            # as plain HTTP/1.1 (it is parsed already), and the connection closes after it;
+            # whatever the client sends meanwhile is not HTTP/1.1 and is not read.
+            if self._last is not None:
+                self._last.keep_alive = False
+            self.transport.pause_reading()
         except httptools.HttpParserError as exc:
             self.reject(400, f"malformed HTTP request: {exc}")
 
     # -- httptools callbacks --------------------------------------------------------------
     def _begin(self) -> None:
+        """Ready for the next message (and let go of the last one's body)."""
         self._url, self._headers, self._body = b"", [], []
         self._size, self._too_large, self._expect = 0, False, False
-
-    def on_message_begin(self) -> None:
-        self._begin()
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -135,9 +136,10 @@ class HTTPConnection(asyncio.Protocol):
                 parsed = httptools.parse_url(url)
                 url = (parsed.path or b"/") + (b"?" + parsed.query if parsed.query else b"")
             body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
-            self.queue.append(Request(self.parser.get_method().decode("ascii"), url,
-                                      self._headers, body, self.parser.should_keep_alive(),
-                                      self))
+            self._last = Request(self.parser.get_method().decode("ascii"), url, self._headers,
+                                 body, self.parser.should_keep_alive(), self)
+            self.queue.append(self._last)
+        self._begin()
         if self.task is None:
             self._next()
         elif len(self.queue) > MAX_PIPELINED and not self._read_paused:
@@ -171,6 +173,8 @@ class HTTPConnection(asyncio.Protocol):
             logger.exception("%s: %s %s failed", self.server.log_prefix, request.method,
                              request.path)
             response = Response(error_body("internal error", "server_error"), 500)
+        if self._last is request:
+            self._last = None            # its body is not kept alive with the connection
         if self.transport.is_closing():
             return
         keep_alive = request.keep_alive and not self.server.closing
