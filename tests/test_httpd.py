@@ -286,3 +286,21 @@ def test_an_upgrade_request_is_answered_as_http_1_1_and_the_connection_closed():
     (status, headers, body), eof = run(main())
     assert status == 200 and json.loads(body)["path"] == "/a"
     assert headers["connection"] == "close" and eof
+
+
+def test_a_request_head_that_never_ends_is_refused():
+    from splitserve.httpd.protocol import MAX_HEAD_BYTES
+
+    async def main():
+        server = await serve(App())
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        writer.write(b"GET /a HTTP/1.1\r\nX-Long: ")
+        for _ in range(MAX_HEAD_BYTES // 65536 + 2):
+            writer.write(b"x" * 65536)
+            await writer.drain()
+        status, _, body = await read_response(reader)
+        await server.close()
+        return status, json.loads(body)
+
+    status, body = run(main())
+    assert status == 431 and "headers exceed" in body["error"]["message"]

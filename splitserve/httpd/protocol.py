@@ -27,6 +27,7 @@ logger = logging.getLogger(__name__)
 
 KEEPALIVE_TIMEOUT = 75.0   # s an idle keep-alive connection stays open (aiohttp's, nginx's)
 MAX_PIPELINED = 32         # parsed requests queued behind a running one before reading pauses
+MAX_HEAD_BYTES = 1 << 20   # an unfinished request head; httptools buffers it without bound
 
 
 class HTTPConnection(asyncio.Protocol):
@@ -40,6 +41,7 @@ class HTTPConnection(asyncio.Protocol):
         self.write_paused = False
         self._read_paused = False
         self._drain_waiter: asyncio.Future | None = None
+        self._in_head, self._head_bytes = False, 0  # a request head is still arriving; its size
         self.idle_since: float | None = None        # loop time it last went idle; None: busy
         self._last: Request | None = None           # the request parsed last
         self._begin()
@@ -92,12 +94,20 @@ class HTTPConnection(asyncio.Protocol):
             self.transport.pause_reading()
         except httptools.HttpParserError as exc:
             self.reject(400, f"malformed HTTP request: {exc}")
+            return
+        if self._in_head:   # (counts the whole read: a bound on memory, not an exact limit)
+            self._head_bytes += len(data)
+            if self._head_bytes > MAX_HEAD_BYTES:
+                self.reject(431, f"request line and headers exceed {MAX_HEAD_BYTES} bytes")
 
     # -- httptools callbacks --------------------------------------------------------------
     def _begin(self) -> None:
         """Ready for the next message (and let go of the last one's body)."""
         self._url, self._headers, self._body = b"", [], []
         self._size, self._too_large, self._expect = 0, False, False
+
+    def on_message_begin(self) -> None:
+        self._in_head, self._head_bytes = True, 0
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -111,6 +121,7 @@ class HTTPConnection(asyncio.Protocol):
             self._expect = value.lower() == b"100-continue"
 
     def on_headers_complete(self) -> None:
+        self._in_head = False
         if self._expect and self._too_large:   # the client waits for our word: refuse now
             self.reject(413, self._too_large_message())
         elif self._expect:
