@@ -19,6 +19,7 @@ def test_render_parse_round_trip():
     c.labels("/v1/completions", 200).inc()
     c.labels("/v1/completions", 200).inc(2)
     c.labels("/v1/chat/completions", 400).inc()
+    c.labels("/v1/chat/completions", "400").inc()     # the same series as 400
     g.set(3)
     g.dec(0.5)
     text = reg.render().decode()
@@ -26,7 +27,7 @@ def test_render_parse_round_trip():
     assert "# TYPE running gauge" in text and text.endswith("\n")
     m = parse_prometheus(text)
     assert m == {key("reqs_total", endpoint="/v1/completions", status="200"): 3.0,
-                 key("reqs_total", endpoint="/v1/chat/completions", status="400"): 1.0,
+                 key("reqs_total", endpoint="/v1/chat/completions", status="400"): 2.0,
                  key("running"): 2.5}
 
 

@@ -27,17 +27,22 @@ class _Metric:
     def __init__(self, name: str, help: str, labelnames: Sequence[str] = ()):
         self.name, self.help, self.labelnames = name, help, tuple(labelnames)
         self._children: dict[tuple[str, ...], object] = {}
+        self._by_values: dict[tuple, object] = {}   # labels() as called (ints, str) -> child
         if not self.labelnames:
             self._default = self.labels()
 
     def labels(self, *values) -> object:
-        """The child for these label values (in `labelnames` order), made on first use."""
-        key = tuple(str(v) for v in values)
-        child = self._children.get(key)
+        """The child for these label values (in `labelnames` order), made on first use.
+        Called per request: the values as given are looked up first, unconverted."""
+        child = self._by_values.get(values)
         if child is None:
-            if len(key) != len(self.labelnames):
-                raise ValueError(f"{self.name} takes labels {self.labelnames}, got {key}")
-            child = self._children[key] = self._new_child()
+            key = tuple(str(v) for v in values)
+            child = self._children.get(key)
+            if child is None:
+                if len(key) != len(self.labelnames):
+                    raise ValueError(f"{self.name} takes labels {self.labelnames}, got {key}")
+                child = self._children[key] = self._new_child()
+            self._by_values[values] = child
         return child
 
     def render(self) -> Iterator[str]:
