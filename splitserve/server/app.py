@@ -137,7 +137,7 @@ class WorkerServer:
         else:
             ids = await self.in_pool(lambda: tok.encode(body.prompt, body.add_special_tokens))
         return json_response({"tokens": ids.tolist(), "count": len(ids),
-                                  "max_model_len": self.engine.ready.max_model_len})
+                              "max_model_len": self.engine.ready.max_model_len})
 
     async def detokenize(self, request: Request) -> Response:
         body = _decode(_DetokenizeBody, request.body)
