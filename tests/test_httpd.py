@@ -304,3 +304,19 @@ def test_a_request_head_that_never_ends_is_refused():
 
     status, body = run(main())
     assert status == 431 and "headers exceed" in body["error"]["message"]
+
+
+def test_head_gets_the_headers_without_the_body():
+    async def main():
+        server = await serve(App())
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        writer.write(b"HEAD /a HTTP/1.1\r\nHost: x\r\n\r\n" + request("GET", "/b"))
+        head = await reader.readuntil(b"\r\n\r\n")
+        after = await read_response(reader)       # the next response follows at once
+        writer.close()
+        await server.close()
+        return head, after
+
+    head, (status, _, body) = run(main())
+    assert head.startswith(b"HTTP/1.1 200 OK") and b"Content-Length: " in head
+    assert status == 200 and json.loads(body)["path"] == "/b"

@@ -32,6 +32,13 @@ def test_models_and_health(worker):
     status, body = get(worker.url + "/v1/models")
     assert status == 200 and json.loads(body)["data"][0]["id"] == "tiny-random"
     assert get(worker.url + "/health")[0] == 200
+    import urllib.request
+    with urllib.request.urlopen(urllib.request.Request(worker.url + "/health", method="HEAD")) as r:
+        assert r.status == 200 and r.read() == b"" and int(r.headers["Content-Length"]) > 0
+    status, body = get(worker.url + "/v1/nope")
+    assert status == 404 and json.loads(body)["error"]["type"] == "NotFoundError"
+    status, body = get(worker.url + "/v1/completions")
+    assert status == 405 and "takes POST" in json.loads(body)["error"]["message"]
 
 
 def test_greedy_completion_equals_offline(worker, offline):

@@ -71,11 +71,12 @@ class Response:
         self.status, self.body, self.content_type = status, body, content_type
         self.headers = headers
 
-    def encode(self, keep_alive: bool) -> bytes:
+    def encode(self, keep_alive: bool, head_only: bool = False) -> bytes:
+        """head_only: the answer to a HEAD request, the headers a GET would get and no body."""
         return b"%sContent-Type: %s\r\nContent-Length: %d\r\n%s%s\r\n%s" % (
             status_line(self.status), self.content_type.encode("latin-1"), len(self.body),
             header_block(self.headers), b"" if keep_alive else b"Connection: close\r\n",
-            self.body)
+            b"" if head_only else self.body)
 
 
 def json_response(obj, status: int = 200) -> Response:

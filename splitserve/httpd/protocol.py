@@ -191,7 +191,7 @@ class HTTPConnection(asyncio.Protocol):
         keep_alive = request.keep_alive and not self.server.closing
         stream, self.stream = self.stream, None
         if stream is None:
-            self.transport.write(response.encode(keep_alive))
+            self.transport.write(response.encode(keep_alive, request.method == "HEAD"))
         else:
             if response is not stream:   # failed after its head went out: nothing else to say
                 logger.warning("%s: %s %s failed while streaming (%d)", self.server.log_prefix,

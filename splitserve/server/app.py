@@ -79,7 +79,7 @@ class WorkerServer:
         try:
             if route is None:
                 response = _error(404, f"no endpoint {request.path}", "NotFoundError")
-            elif request.method != route[0]:
+            elif request.method != route[0] and (request.method, route[0]) != ("HEAD", "GET"):
                 response = _error(405, f"{request.path} takes {route[0]}, not {request.method}",
                                   "invalid_request_error")
             else:
