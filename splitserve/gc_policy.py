@@ -2,8 +2,8 @@
 orchestrator).
 
 A full collection walks every tracked object while the event loop waits. With 1024 requests
-held by a GEN front-end (~70 tracked objects each: coroutines, futures, aiohttp's
-per-connection state) one took 50-120 ms and came every ~15 s, the tail of
+held by a GEN front-end (~70 tracked objects each: coroutines, futures, the HTTP
+server's per-connection state) one took 50-120 ms and came every ~15 s, the tail of
 gen_preprocessing. The serving path makes no reference cycles (under held load every
 collection, young or full, freed nothing), so full passes leave the automatic schedule for a
 timer, and what lived at start-up is frozen out of every pass. The middle generation is

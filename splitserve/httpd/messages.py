@@ -17,24 +17,24 @@ if TYPE_CHECKING:
     from splitserve.httpd.protocol import HTTPConnection
 
 _REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
-
-
 _date = [0, b""]   # [second, b"Date: ...\r\n"]: formatted once a second, not per response
 
 
-def status_line(status: int) -> bytes:
-    """The status line, and the Date and Server headers every response carries."""
+def response_head(status: int, framing: bytes, headers: dict[str, str] | None,
+                  keep_alive: bool) -> bytes:
+    """Everything before a response's body: the status line, Date and Server, `framing`
+    (Content-Type and Content-Length, or Transfer-Encoding), the handler's headers, and
+    Connection: close when the connection ends after this response."""
     now = int(time.time())
     if now != _date[0]:
         stamp = formatdate(now, usegmt=True).encode()
         _date[:] = now, b"Date: %s\r\nServer: splitserve\r\n" % stamp
-    return b"HTTP/1.1 %d %s\r\n%s" % (status, _REASONS.get(status, b"Unknown"), _date[1])
-
-
-def header_block(headers: dict[str, str] | None) -> bytes:
-    if not headers:
-        return b""
-    return "".join(f"{k}: {v}\r\n" for k, v in headers.items()).encode("latin-1")
+    extra = b""
+    if headers:
+        extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items()).encode("latin-1")
+    return b"HTTP/1.1 %d %s\r\n%s%s%s%s\r\n" % (
+        status, _REASONS.get(status, b"Unknown"), _date[1], framing, extra,
+        b"" if keep_alive else b"Connection: close\r\n")
 
 
 class Request:
@@ -73,10 +73,10 @@ class Response:
 
     def encode(self, keep_alive: bool, head_only: bool = False) -> bytes:
         """head_only: the answer to a HEAD request, the headers a GET would get and no body."""
-        return b"%sContent-Type: %s\r\nContent-Length: %d\r\n%s%s\r\n%s" % (
-            status_line(self.status), self.content_type.encode("latin-1"), len(self.body),
-            header_block(self.headers), b"" if keep_alive else b"Connection: close\r\n",
-            b"" if head_only else self.body)
+        framing = b"Content-Type: %s\r\nContent-Length: %d\r\n" % (
+            self.content_type.encode("latin-1"), len(self.body))
+        head = response_head(self.status, framing, self.headers, keep_alive)
+        return head if head_only else head + self.body
 
 
 def json_response(obj, status: int = 200) -> Response:
@@ -96,9 +96,8 @@ class ChunkedStream:
             raise ConnectionResetError("the client closed the connection")
         self.conn, self.status, self.ended = conn, status, False
         conn.stream = self
-        conn.transport.write(b"%sTransfer-Encoding: chunked\r\n%s%s\r\n" % (
-            status_line(status), header_block(headers),
-            b"" if keep_alive else b"Connection: close\r\n"))
+        conn.transport.write(response_head(status, b"Transfer-Encoding: chunked\r\n", headers,
+                                           keep_alive))
 
     async def write(self, data: bytes) -> None:
         if not data:

@@ -11,14 +11,11 @@ and payload streams) cost more than the work itself.
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from typing import Awaitable, Callable
 
 from splitserve.httpd.messages import ChunkedStream, Request, Response
 from splitserve.httpd.protocol import KEEPALIVE_TIMEOUT, HTTPConnection
-
-logger = logging.getLogger(__name__)
 
 Handler = Callable[[Request], Awaitable["Response | ChunkedStream"]]
 
