@@ -208,3 +208,11 @@ def test_kv_pulls_start_while_decodes_use_the_whole_token_budget(tiny_source):
     finally:
         ctx.remote_kv.close()
         gen.remote_kv.close()
+
+
+def test_kv_health_names_the_stopped_transport_threads(tiny_source):
+    e = engine(tiny_source, "tcp")
+    assert e.remote_kv.health() is None
+    e.remote_kv.close()
+    problem = e.remote_kv.health()
+    assert problem is not None and "kv-tcp-serve" in problem and "kv-tcp-pull" in problem

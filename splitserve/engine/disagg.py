@@ -89,6 +89,10 @@ class RemoteKV:
             out.append((req, result))
         return out
 
+    def health(self) -> str | None:
+        """None while the KV server and pull threads run; else what stopped."""
+        return self.transport.health()
+
     @property
     def num_leased_blocks(self) -> int:
         return self.leases.num_leased_blocks

@@ -90,6 +90,10 @@ class KVTransport(abc.ABC):
     def agent_metadata(self) -> bytes:
         return b""
 
+    def health(self) -> str | None:
+        """None while the transport can serve and pull; else what stopped (for /health)."""
+        return None
+
     @abc.abstractmethod
     def close(self) -> None:
         ...

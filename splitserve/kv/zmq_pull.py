@@ -140,6 +140,10 @@ class ZmqPullTransport(KVTransport):
         sock.send(msgspec.msgpack.encode(PullAck(handle.ctx_request_id)))
         return nbytes
 
+    def health(self) -> str | None:
+        dead = [t.name for t in self._threads if not t.is_alive()]
+        return f"KV transport threads stopped: {', '.join(dead)}" if dead else None
+
     def close(self) -> None:
         self._stop.set()
         for t in self._threads:
