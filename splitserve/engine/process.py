@@ -78,8 +78,12 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
 _WAKE = object()
 
 
-def _step_loop(engine: EngineCore, in_q: queue.Queue, out_q: queue.Queue, parent: int) -> None:
-    last_stats = None
+def _step_loop(engine: EngineCore, in_q: queue.Queue, out_q: queue.Queue, parent: int,
+               heartbeat: float = 0.5) -> None:
+    """Steps until Shutdown or the parent's death. Stats go out when they change and at least
+    every `heartbeat` seconds (after a step), so the front-end can tell a stuck engine (its
+    step count stands still while it holds work) from a quiet one."""
+    last_stats, steps, next_beat = None, 0, 0.0
     while True:
         busy = engine.has_runnable_work()
         try:
@@ -98,10 +102,12 @@ def _step_loop(engine: EngineCore, in_q: queue.Queue, out_q: queue.Queue, parent
             logger.warning("front-end process died; engine exiting")
             return
         deltas.extend(engine.step())
-        stats = _stats(engine)
-        if deltas or stats != last_stats:
-            out_q.put(EngineOutputs(deltas, stats))
-            last_stats = stats
+        steps += 1
+        stats = _stats(engine)   # steps left out: a step alone is news only once a beat
+        now = time.monotonic()
+        if deltas or stats != last_stats or now >= next_beat:
+            out_q.put(EngineOutputs(deltas, msgspec.structs.replace(stats, steps=steps)))
+            last_stats, next_beat = stats, now + heartbeat
 
 
 def _handle(engine: EngineCore, item, deltas: list[CompletionDelta]) -> None:
@@ -131,7 +137,8 @@ def _handle(engine: EngineCore, item, deltas: list[CompletionDelta]) -> None:
 def _stats(engine: EngineCore) -> EngineStats:
     bm = engine.block_manager
     return EngineStats(engine.num_running, engine.num_waiting, bm.num_used_blocks, bm.num_blocks,
-                       bm.prefix_queries, bm.prefix_hits, engine.remote_kv.num_leased_blocks)
+                       bm.prefix_queries, bm.prefix_hits, engine.remote_kv.num_leased_blocks,
+                       kv_error=engine.remote_kv.health() or "")
 
 
 def _recv_loop(ctx: zmq.Context, addr: str, in_q: queue.Queue) -> None:

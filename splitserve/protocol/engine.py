@@ -135,6 +135,9 @@ class EngineStats(msgspec.Struct, array_like=True, gc=False):
     prefix_cache_queries: int
     prefix_cache_hits: int
     kv_blocks_leased: int = 0          # held for generation workers to pull
+    steps: int = 0                     # engine steps completed (liveness: sent at least
+                                       # every half second, after a step, changed or not)
+    kv_error: str = ""                 # the KV transport's health(): what stopped, "" if fine
 
 
 class EngineReady(msgspec.Struct, tag="ready"):
