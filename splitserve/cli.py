@@ -78,7 +78,9 @@ def _serve(args) -> int:
     from splitserve.server.config import ServerConfig
     serve(ServerConfig(host=args.host, port=args.port, role=args.role,
                        served_model_name=args.served_model_name,
-                       max_body_bytes=args.max_body_bytes, engine=_engine_config(args)))
+                       max_body_bytes=args.max_body_bytes,
+                       engine_stall_seconds=args.engine_stall_seconds,
+                       engine=_engine_config(args)))
     return 0
 
 
@@ -111,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--max-tokens", type=int, default=128)
     chat.set_defaults(func=_chat)
 
+    from splitserve.server.config import ServerConfig
     serve = sub.add_parser("serve", help="run one worker: OpenAI HTTP front-end + engine")
     _add_engine_arguments(serve)
     serve.add_argument("--host", default="127.0.0.1")
@@ -118,6 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--role", default="agg", choices=["agg", "ctx", "gen"])
     serve.add_argument("--served-model-name", default=None)
     serve.add_argument("--max-body-bytes", type=int, default=64 << 20)
+    serve.add_argument("--engine-stall-seconds", type=float,
+                       default=ServerConfig.engine_stall_seconds,
+                       help="/health answers 503 when the engine completed no step for this "
+                            "long while holding requests (longer than the longest step)")
     serve.add_argument("--bench-skip-kv-pull", action="store_true",
                        help="benchmark only: generation_only requests skip the KV pull and "
                             "decode from stale blocks; output is garbage")

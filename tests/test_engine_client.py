@@ -3,6 +3,8 @@
 
 import asyncio
 
+import pytest
+
 from splitserve.protocol.engine import CompletionDelta
 from splitserve.server.engine_client import DeltaQueue
 
@@ -67,7 +69,7 @@ def test_one_frame_carries_a_batch_and_a_bad_batch_fails_its_requests_not_the_en
             q1, q2 = DeltaQueue(eager=False), DeltaQueue(eager=False)
             client.queues.update({"bad-1": q1, "bad-2": q2})
             reqs = [AddRequest(rid, params, n, False) for rid, n in (("bad-1", 4), ("bad-2", 2))]
-            client.in_sock.send(pack_input(client._encoder.encode(AddRequests(reqs)),
+            client.engine.in_sock.send(pack_input(client._encoder.encode(AddRequests(reqs)),
                                            [np.arange(5, dtype=np.int32).tobytes()]))
             bad = [await asyncio.wait_for(q.get(), 60) for q in (q1, q2)]
             after = await collect(client, "after", PromptTokens(np.arange(1, 4, dtype=np.int32)))
@@ -101,3 +103,109 @@ def test_pack_input_splits_back_into_each_requests_prompt():
     assert split_prompts(reqs, body[:-4]) == [None] * 3            # bytes missing
     assert split_prompts(reqs[:1], body) == [None]                 # bytes left over
     assert split_prompts([AddRequest("n", p, -2, False)], body[:0]) == [None]
+
+
+def _client(**kwargs):
+    from splitserve.config import EngineConfig
+    from splitserve.server.engine_client import EngineClient
+    return EngineClient(EngineConfig(model="tiny-random", dtype="float32", num_threads=1),
+                        **kwargs)
+
+
+async def _until(what, timeout: float = 120.0):
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not what():
+        assert asyncio.get_running_loop().time() < deadline, "timed out waiting"
+        await asyncio.sleep(0.05)
+
+
+def test_a_killed_engine_fails_what_it_held_and_restarts_backing_off(caplog):
+    """kill -9 of the engine process: a streaming and a final-only request in flight each
+    raise EngineDeadError naming the signal, the client refuses new requests while a new
+    process starts, then serves. A second death soon after, whose replacement fails to
+    start (its model is gone), restarts after 1 s, then 2 s, until one starts."""
+    import dataclasses
+    import logging
+    import os
+    import signal
+
+    import numpy as np
+
+    from splitserve.sampling_params import SamplingParams
+    from splitserve.server.engine_client import EngineDeadError
+    from splitserve.tokens import PromptTokens
+
+    prompt = PromptTokens(np.arange(1, 5, dtype=np.int32))
+    long = SamplingParams(max_tokens=50_000, ignore_eos=True)
+
+    async def run(client, rid, params, stream):
+        got = []
+        try:
+            async for d in client.generate(rid, prompt, params, stream=stream):
+                got.append(d)
+        except EngineDeadError as exc:
+            return got, str(exc)
+        return got, None
+
+    async def main():
+        client = _client()
+        await client.start()
+        try:
+            streaming = asyncio.create_task(run(client, "s", long, True))
+            whole = asyncio.create_task(run(client, "w", long, False))
+            await _until(lambda: client.stats.num_running == 2)
+            os.kill(client.process.pid, signal.SIGKILL)
+            results = await asyncio.gather(streaming, whole)
+            refused = client.health()
+            with pytest.raises(EngineDeadError, match="restarting"):
+                [d async for d in client.generate("early", prompt, long)]
+            await _until(lambda: client.health() is None)
+            after = await run(client, "after", SamplingParams(max_tokens=2), False)
+            good = client.config
+            client.config = dataclasses.replace(good, model="/no/such/model")
+            os.kill(client.process.pid, signal.SIGKILL)       # dies again at once: backs off
+            await _until(lambda: "failed to start" in (client.health() or ""))
+            client.config = good
+            await _until(lambda: client.health() is None)
+            again = await run(client, "again", SamplingParams(max_tokens=2), False)
+            return results, refused, after, again, client.restarts
+        finally:
+            await client.shutdown()
+
+    with caplog.at_level(logging.WARNING, logger="splitserve.server.engine_client"):
+        results, refused, after, again, restarts = asyncio.run(main())
+    for got, error in results:
+        assert error is not None and "stopped unexpectedly (signal 9" in error
+        assert "this request was not completed" in error
+    assert len(results[0][0]) > 0          # it had streamed before it failed
+    assert "restarting" in refused and "signal 9" in refused
+    assert after[1] is None and len(after[0][-1].token_ids) == 2
+    assert again[1] is None and restarts == 3
+    lines = [r.getMessage() for r in caplog.records if "restarting it in" in r.getMessage()]
+    assert [line[line.index("restarting it in"):].split(";")[0] for line in lines] == [
+        "restarting it in 0 s (restart 1", "restarting it in 1 s (restart 2",
+        "restarting it in 2 s (restart 3"]
+
+
+def test_the_engine_reports_liveness_while_idle_and_its_kv_transport_health():
+    """Its step count moves without any request (the front-end's stall check relies on it);
+    a KV transport whose threads stopped shows in the stats, hence on /health."""
+    from splitserve.config import EngineConfig
+    from splitserve.engine.core import EngineCore
+    from splitserve.engine.process import _stats
+
+    async def main():
+        client = _client()
+        await client.start()
+        try:
+            first = client.stats.steps
+            await _until(lambda: client.stats.steps >= first + 2, timeout=60)
+            return client.health()
+        finally:
+            await client.shutdown()
+    assert asyncio.run(main()) is None
+
+    engine = EngineCore(EngineConfig(model="tiny-random", dtype="float32", num_threads=1))
+    assert _stats(engine).kv_error == ""
+    engine.remote_kv.close()
+    assert "KV transport threads stopped" in _stats(engine).kv_error

@@ -23,6 +23,8 @@ from splitserve.signals import wait_for_stop_signal
 
 logger = logging.getLogger(__name__)
 
+RETRY_AFTER = "1"   # seconds a refused client is asked to wait (the engine is restarting)
+
 
 class ModelNotFound(InvalidRequestError):
     pass
@@ -41,7 +43,8 @@ class _DetokenizeBody(msgspec.Struct):
 class WorkerServer:
     def __init__(self, config: ServerConfig):
         self.config = config
-        self.engine = EngineClient(config.engine, log_prefix=config.log_prefix)
+        self.engine = EngineClient(config.engine, log_prefix=config.log_prefix,
+                                   stall_seconds=config.engine_stall_seconds)
         # The front-end needs only the tokenizer; weights are read by the engine process.
         self.tokenizer = load_model_source(config.engine.model).tokenizer
         self.pool = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tokenize")
@@ -65,6 +68,11 @@ class WorkerServer:
 
     async def in_pool(self, fn):
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn)
+
+    def admit(self) -> None:
+        """Refuse a generation request at once, before any work is spent on it, when the
+        engine is down (503 with Retry-After)."""
+        self.engine.check_available()
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
@@ -94,13 +102,13 @@ class WorkerServer:
             return _error(400, exc.message, "invalid_request_error", exc.param)
         except EngineDeadError as exc:
             status = 503
-            return _error(503, f"engine is not running: {exc}", "server_error")
+            return _error(503, str(exc), "server_error", headers={"Retry-After": RETRY_AFTER})
         except (asyncio.CancelledError, ConnectionResetError):
             status = 499   # the client went away
             raise
-        except Exception as exc:
+        except Exception:
             logger.exception("%s: request failed", self.config.log_prefix)
-            return _error(500, f"internal error: {exc}", "server_error")
+            return _error(500, "internal error; the request was not completed", "server_error")
         finally:
             self.metrics.request_done(request.path if route else "other", status)
 
@@ -112,16 +120,17 @@ class WorkerServer:
             "owned_by": "splitserve", "max_model_len": ready.max_model_len if ready else None}]})
 
     async def health(self, request: Request) -> Response:
-        if self.engine.healthy:
+        problem = self.engine.health()
+        if problem is None:
             body = {"status": "ok", "role": self.config.role}
             if self.config.engine.kv.bench_skip_pull:   # `bench frontend --url` checks this
                 body["bench_skip_kv_pull"] = True
             return json_response(body)
-        return _error(503, f"engine is not running: {self.engine.dead_reason or 'starting'}",
-                      "server_error")
+        return _error(503, problem, "server_error")
 
     async def prometheus(self, request: Request) -> Response:
         self.metrics.update_engine(self.engine.stats)
+        self.metrics.engine_restarts.set_total(self.engine.restarts)
         self.metrics.update_process()
         return Response(self.metrics.render(),
                         content_type="text/plain; version=0.0.4; charset=utf-8")
@@ -172,8 +181,8 @@ class WorkerServer:
 
 
 def _error(status: int, message: str, type: str, param: str | None = None,
-           code: str | None = None) -> Response:
-    return Response(error_body(message, type, param, code), status)
+           code: str | None = None, headers: dict[str, str] | None = None) -> Response:
+    return Response(error_body(message, type, param, code), status, headers=headers)
 
 
 def _decode(struct, body: bytes):

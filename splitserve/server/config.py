@@ -20,6 +20,7 @@ class ServerConfig:
     max_body_bytes: int = 64 << 20         # larger bodies get 413
     tokenizer_threads: int = 2
     engine_start_timeout: float = 600.0
+    engine_stall_seconds: float = 60.0     # no engine step this long, holding work: /health 503
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self):
@@ -29,6 +30,8 @@ class ServerConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.max_body_bytes < 1024:
             raise ValueError("max_body_bytes must be at least 1024")
+        if not self.engine_stall_seconds > 0:
+            raise ValueError("engine_stall_seconds must be positive")
 
     @property
     def log_prefix(self) -> str:

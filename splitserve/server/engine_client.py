@@ -1,9 +1,14 @@
-"""The front-end's handle on its engine-core process: start it, submit, stream, abort.
+"""The front-end's handle on its engine-core process: start it, submit, stream, abort, and
+restart it when it dies.
 
 A callback on the output socket's file descriptor routes each CompletionDelta to the
 queue of its request. Requests go out batched: everything submitted during one event-loop
 turn leaves in one AddRequests message at the end of the turn, with the prompts as raw int32
 bytes in the same frame, so a burst of arrivals costs one ZeroMQ send, not one each.
+
+An engine process that exits (a crash, kill -9) is noticed at once (its sentinel): every
+request in flight fails with EngineDeadError, a new process starts (crash loops back off),
+and until it is ready new requests are refused with it (503).
 """
 
 from __future__ import annotations
@@ -11,31 +16,26 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import multiprocessing
-import os
-import tempfile
 import time
-import uuid
 from typing import AsyncIterator
 
 import msgspec
-import zmq
 import zmq.asyncio
 
 from splitserve.config import EngineConfig
-from splitserve.engine.process import run_engine_core
-from splitserve.engine.request import FinishReason
 from splitserve.protocol.engine import (
-    AbortRequests, AddRequest, AddRequests, CompletionDelta, EngineDead, EngineOutput, EngineOutputs,
+    AbortRequests, AddRequest, AddRequests, CompletionDelta, EngineDead, EngineOutputs,
     EngineReady, EngineStats, RemotePrefill, Shutdown, pack_input)
 from splitserve.sampling_params import SamplingParams
+from splitserve.server.engine_process import EngineDeadError, EngineProcess
 from splitserve.tokens import PromptTokens
 
 logger = logging.getLogger(__name__)
 
+__all__ = ["DeltaQueue", "EngineClient", "EngineDeadError"]
 
-class EngineDeadError(RuntimeError):
-    pass
+STABLE_SECONDS = 60.0         # an engine that served this long before dying restarts at once
+BACKOFF_FIRST, BACKOFF_MAX = 1.0, 30.0   # seconds before the 2nd, 3rd, ... restart in a row
 
 
 class DeltaQueue:
@@ -43,12 +43,13 @@ class DeltaQueue:
     without its bookkeeping. Not eager (a response sent whole): the consumer is woken only
     when a sequence finishes, not once per engine step, and then drains every delta."""
 
-    __slots__ = ("_items", "_waiter", "_eager")
+    __slots__ = ("_items", "_waiter", "_eager", "_error")
 
     def __init__(self, eager: bool = True):
         self._items: collections.deque[CompletionDelta] = collections.deque()
         self._waiter: asyncio.Future | None = None
         self._eager = eager
+        self._error: str | None = None
 
     def put_nowait(self, delta: CompletionDelta) -> None:
         self._items.append(delta)
@@ -56,8 +57,16 @@ class DeltaQueue:
                 and not self._waiter.done()):
             self._waiter.set_result(None)
 
+    def fail(self, message: str) -> None:
+        """get() raises EngineDeadError(message) once the deltas already queued are taken."""
+        self._error = message
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
     async def get(self) -> CompletionDelta:
         while not self._items:
+            if self._error is not None:
+                raise EngineDeadError(self._error)
             self._waiter = asyncio.get_running_loop().create_future()
             try:
                 await self._waiter
@@ -67,72 +76,76 @@ class DeltaQueue:
 
 
 class EngineClient:
-    def __init__(self, config: EngineConfig, log_prefix: str = "engine"):
+    def __init__(self, config: EngineConfig, log_prefix: str = "engine",
+                 stall_seconds: float = 60.0):
         self.config = config
         self.log_prefix = log_prefix
-        base = os.path.join(tempfile.gettempdir(), f"splitserve-{uuid.uuid4().hex[:12]}")
-        self.input_addr, self.output_addr = f"ipc://{base}-in", f"ipc://{base}-out"
+        self.stall_seconds = stall_seconds     # no step this long while holding work: stuck
         self.ctx = zmq.asyncio.Context()
         self.queues: dict[str, DeltaQueue] = {}
         self.ready: EngineReady | None = None
         self.stats = EngineStats(0, 0, 0, 0, 0, 0)
-        self.dead_reason: str | None = None
-        self.process: multiprocessing.Process | None = None
-        self._tasks: list[asyncio.Task] = []
-        self._reader_fd: int | None = None
+        self.dead_reason: str | None = None    # set while the engine is down (restarting)
+        self.engine: EngineProcess | None = None
+        self.restarts = 0
+        self.start_timeout = 300.0
+        self._crashes = 0            # deaths in a row, each within STABLE_SECONDS of its start
+        self._ready_at = self._last_step = time.monotonic()
+        self._closing = False
+        self._restarter: asyncio.Task | None = None
         self._encoder = msgspec.msgpack.Encoder()
         self._outbox: list[tuple[AddRequest, memoryview | bytes]] = []
 
     @property
+    def process(self):
+        """The current engine-core process (multiprocessing.Process), or None."""
+        return None if self.engine is None else self.engine.process
+
+    @property
     def healthy(self) -> bool:
+        """Takes requests: started and not dead or restarting."""
         return self.ready is not None and self.dead_reason is None
+
+    def check_available(self) -> None:
+        """EngineDeadError unless new requests can be taken now."""
+        if self.ready is None:
+            raise EngineDeadError("the engine is starting; retry shortly")
+        if self.dead_reason is not None:
+            raise EngineDeadError(f"the engine is restarting ({self.dead_reason}); retry shortly")
+
+    def health(self) -> str | None:
+        """None while the engine serves; else why it does not (for /health): it is starting
+        or restarting, its KV transport stopped, or it holds work and completed no step for
+        stall_seconds (the engine process sends its step count at least twice a second, so
+        only a stuck process, or a single step longer than stall_seconds, stands still)."""
+        try:
+            self.check_available()
+        except EngineDeadError as exc:
+            return str(exc)
+        if self.stats.kv_error:
+            return self.stats.kv_error
+        still = time.monotonic() - self._last_step
+        if still > self.stall_seconds and (self.queues or self.stats.num_running
+                                           or self.stats.num_waiting):
+            return (f"the engine is stalled: no step completed for {still:.0f} s while it "
+                    f"holds requests")
+        return None
 
     async def start(self, timeout: float = 300.0) -> EngineReady:
         """Spawn the engine process and wait for its handshake."""
-        # Sends are synchronous and never block (no high-water mark; the engine's reader
-        # thread drains the socket), so they need no future and no await.
-        self._in_async = self.ctx.socket(zmq.PUSH)   # owns the socket; in_sock shadows it
-        self.in_sock = zmq.Socket.shadow(self._in_async.underlying)
-        self.in_sock.setsockopt(zmq.SNDHWM, 0)
-        self.in_sock.bind(self.input_addr)
-        self.out_sock = self.ctx.socket(zmq.PULL)
-        self.out_sock.bind(self.output_addr)
-        self.process = multiprocessing.get_context("spawn").Process(
-            target=run_engine_core, name=f"{self.log_prefix}-core", daemon=True,
-            args=(self.config, self.input_addr, self.output_addr, self.log_prefix))
-        self.process.start()
-        decoder = msgspec.msgpack.Decoder(EngineOutput)
-        try:
-            first = decoder.decode(await asyncio.wait_for(self.out_sock.recv(), timeout))
-        except asyncio.TimeoutError:
-            self.process.kill()
-            raise EngineDeadError(f"engine did not report ready within {timeout:.0f} s") from None
-        if isinstance(first, EngineDead):
-            raise EngineDeadError(first.reason)
-        self.ready = first
-        self._start_reader(decoder)
-        self._tasks = [asyncio.create_task(self._watch_process())]
-        return first
-
-    def _start_reader(self, decoder) -> None:
-        """Engine outputs are read by a callback on the socket's file descriptor, not by
-        awaiting pyzmq futures: one wake-up drains every message that arrived. ZeroMQ's
-        descriptor is edge-triggered, so each wake-up reads until nothing is left."""
-        sock = zmq.Socket.shadow(self.out_sock.underlying)
-
-        def on_readable() -> None:
-            try:
-                while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                    self._dispatch(decoder.decode(sock.recv(zmq.NOBLOCK)))
-            except Exception:   # a bad message must not stop the reader
-                logger.exception("%s: engine output dropped", self.log_prefix)
-        loop = asyncio.get_running_loop()
-        self._reader_fd = sock.getsockopt(zmq.FD)
-        loop.add_reader(self._reader_fd, on_readable)
-        loop.call_soon(on_readable)   # what arrived before the reader was registered
+        self.start_timeout = timeout
+        engine = EngineProcess(self.ctx, self.config, self.log_prefix)
+        ready = await engine.start(timeout)
+        self.engine, self.ready, self.dead_reason = engine, ready, None
+        self.stats = EngineStats(0, 0, 0, ready.num_blocks, 0, 0)
+        self._ready_at = self._last_step = time.monotonic()
+        engine.serve(self._dispatch, self._on_exit)
+        return ready
 
     def _dispatch(self, msg) -> None:
         if isinstance(msg, EngineOutputs):
+            if msg.stats.steps != self.stats.steps:
+                self._last_step = time.monotonic()
             self.stats = msg.stats
             now = time.time()
             for delta in msg.deltas:
@@ -143,18 +156,50 @@ class EngineClient:
         elif isinstance(msg, EngineDead):
             self._fail_all(msg.reason)
 
-    async def _watch_process(self) -> None:
-        while self.process.is_alive():
-            await asyncio.sleep(0.5)
-        self._fail_all(f"engine process exited with code {self.process.exitcode}")
+    def _on_exit(self) -> None:
+        """The engine process ended: fail what it held and, unless we are stopping, start
+        a new one."""
+        engine = self.engine
+        engine.process.join(5.0)   # its sentinel closes just before it can be reaped
+        engine.close()
+        if self._closing:
+            return
+        lived = time.monotonic() - self._ready_at
+        self._crashes = self._crashes + 1 if lived < STABLE_SECONDS else 1
+        self._fail_all(f"the engine process stopped unexpectedly ({engine.exit_cause()})")
+        self._restarter = asyncio.create_task(self._restart())
 
     def _fail_all(self, reason: str) -> None:
         if self.dead_reason is None:
-            logger.error("%s: engine is dead: %s", self.log_prefix, reason)
+            logger.error("%s: %s", self.log_prefix, reason)
         self.dead_reason = reason
-        for rid, q in self.queues.items():
-            q.put_nowait(CompletionDelta(rid, -1, [], "", finish_reason=int(FinishReason.ERROR),
-                                         error=f"engine is not running: {reason}"))
+        self._outbox.clear()
+        message = f"{reason}; this request was not completed"
+        for q in self.queues.values():
+            q.fail(message)
+
+    async def _restart(self) -> None:
+        """Start engine processes until one is ready: the first at once, then after 1, 2, 4
+        ... seconds (at most BACKOFF_MAX) while each dies soon after starting."""
+        while not self._closing:
+            delay = 0.0 if self._crashes <= 1 else min(
+                BACKOFF_FIRST * 2 ** (self._crashes - 2), BACKOFF_MAX)
+            self.restarts += 1
+            logger.warning("%s: %s; restarting it in %.0f s (restart %d; %d in a row)",
+                           self.log_prefix, self.dead_reason, delay, self.restarts, self._crashes)
+            await asyncio.sleep(delay)
+            try:
+                ready = await self.start(self.start_timeout)
+            except EngineDeadError as exc:
+                self.dead_reason = str(exc)
+            except Exception:   # (sockets, spawning) must not end the restarts
+                logger.exception("%s: starting an engine process failed", self.log_prefix)
+                self.dead_reason = "a new engine process could not be started"
+            else:
+                logger.warning("%s: engine process restarted; serving again (KV endpoint %s)",
+                               self.log_prefix, ready.kv_endpoint or "none")
+                return
+            self._crashes += 1
 
     # -- requests -------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt: PromptTokens, params: SamplingParams,
@@ -163,8 +208,7 @@ class EngineClient:
         """Yields the request's deltas until all n sequences finished; stream=False yields
         them in bursts, when a sequence finishes. Leaving early (the client went away, the
         task was cancelled) aborts the request in the engine."""
-        if not self.healthy:
-            raise EngineDeadError(self.dead_reason or "engine not started")
+        self.check_available()
         q = self.queues[request_id] = DeltaQueue(eager=stream)
         msg = AddRequest(request_id, params, len(prompt), prompt.is_placeholder, context_only,
                          remote, stream)
@@ -173,7 +217,11 @@ class EngineClient:
         try:
             self._submit(msg, frame)
             while open_seqs:
-                delta = await q.get()
+                try:
+                    delta = await q.get()
+                except EngineDeadError:
+                    open_seqs = 0   # the engine that had it is gone: nothing to abort
+                    raise
                 if delta.finish_reason is not None:
                     open_seqs = 0 if delta.index < 0 or delta.error_param is not None else open_seqs - 1
                 yield delta
@@ -189,34 +237,29 @@ class EngineClient:
 
     def _flush(self) -> None:
         batch, self._outbox = self._outbox, []
-        if batch:
+        if batch and self.healthy:
             header = self._encoder.encode(AddRequests([msg for msg, _ in batch]))
-            self.in_sock.send(pack_input(header, [frame for _, frame in batch]),
-                              copy=False)
+            self.engine.send(pack_input(header, [frame for _, frame in batch]))
 
     async def abort(self, request_ids: list[str]) -> None:
         self._flush()   # an abort must not overtake the request it aborts
-        self.in_sock.send(pack_input(self._encoder.encode(AbortRequests(request_ids))))
+        if self.healthy:
+            self.engine.send(pack_input(self._encoder.encode(AbortRequests(request_ids))))
 
     async def shutdown(self, timeout: float = 10.0) -> None:
-        for task in self._tasks:
-            task.cancel()
-        if self._reader_fd is not None:
-            asyncio.get_running_loop().remove_reader(self._reader_fd)
-            self._reader_fd = None
-        if self.process is not None and self.process.is_alive():
+        self._closing = True
+        self.dead_reason = self.dead_reason or "the worker is shutting down"
+        if self._restarter is not None:
+            self._restarter.cancel()
+        engine = self.engine
+        if engine is not None and not engine.closed and engine.process.is_alive():
             try:
-                self.in_sock.send(pack_input(self._encoder.encode(Shutdown())), zmq.NOBLOCK)
+                engine.in_sock.send(pack_input(self._encoder.encode(Shutdown())), zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
             deadline = time.monotonic() + timeout
-            while self.process.is_alive() and time.monotonic() < deadline:
+            while engine.process.is_alive() and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
-            if self.process.is_alive():
-                self.process.kill()
+        if engine is not None:
+            engine.close(kill=True)
         self.ctx.destroy(linger=0)
-        for addr in (self.input_addr, self.output_addr):
-            try:
-                os.unlink(addr.removeprefix("ipc://"))
-            except FileNotFoundError:
-                pass

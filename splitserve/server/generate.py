@@ -21,8 +21,9 @@ from splitserve.protocol.disagg import DisaggregatedParams
 from splitserve.protocol.engine import CompletionDelta, RemotePrefill
 from splitserve.protocol.openai import (
     DONE, ChatCompletionRequest, CompletionRequest, EchoPrompt, ResponseAccumulator,
-    StreamEncoder, decode_chat_request, decode_completion_request, response_id)
+    StreamEncoder, decode_chat_request, decode_completion_request, response_id, sse_error)
 from splitserve.sampling_params import SamplingParams
+from splitserve.server.engine_client import EngineDeadError
 from splitserve.tokens import PromptTokens
 
 logger = logging.getLogger(__name__)
@@ -36,6 +37,7 @@ class GenerateHandlers:
 
     async def completions(self, request: Request) -> Response | ChunkedStream:
         arrival = _arrival(request)
+        self.server.admit()
         req = decode_completion_request(request.body)
         self.server.check_model(req.model)
         params = req.sampling_params()
@@ -54,6 +56,7 @@ class GenerateHandlers:
 
     async def chat(self, request: Request) -> Response | ChunkedStream:
         arrival = _arrival(request)
+        self.server.admit()
         req = decode_chat_request(request.body)
         self.server.check_model(req.model)
         params = req.sampling_params()
@@ -136,16 +139,26 @@ class GenerateHandlers:
         return Response(acc.body(extra))
 
     async def _stream(self, request, req, deltas, observe, kwargs) -> ChunkedStream:
+        """The head goes out first; whatever fails after it (the engine died, a bug) ends
+        the stream with an error event and [DONE], never a silent close."""
         enc = StreamEncoder(req, self.server.model_name, **kwargs)
         resp = request.stream(SSE_HEADERS)
-        async with aclosing(deltas):
-            async for i, delta in deltas:
-                observe(i, delta)
-                chunk = enc.chunk(delta, i)
-                if chunk:
-                    await resp.write(chunk)
-                if delta.error is not None:
-                    break
+        try:
+            async with aclosing(deltas):
+                async for i, delta in deltas:
+                    observe(i, delta)
+                    chunk = enc.chunk(delta, i)
+                    if chunk:
+                        await resp.write(chunk)
+                    if delta.error is not None:
+                        break
+        except ConnectionResetError:   # the client went away: nobody to tell
+            raise
+        except EngineDeadError as exc:
+            await resp.write(sse_error(str(exc)))
+        except Exception:
+            logger.exception("%s: stream failed", self.server.config.log_prefix)
+            await resp.write(sse_error("internal error; this request was not completed"))
         if req.include_usage:
             await resp.write(enc.usage_chunk())
         await resp.write(DONE)
@@ -168,13 +181,17 @@ class GenerateHandlers:
             try:
                 async for delta in engine.generate(f"{rid}-{i}", prompt, params, stream=stream):
                     q.put_nowait((i, delta))
-            finally:
+            except Exception as exc:   # (the engine died) fails the whole request, below
+                q.put_nowait((i, exc))
+            else:
                 q.put_nowait((i, None))
         tasks = [asyncio.create_task(pump(i, p)) for i, p in enumerate(prompts)]
         try:
             open_prompts = len(tasks)
             while open_prompts:
                 i, delta = await q.get()
+                if isinstance(delta, Exception):
+                    raise delta
                 if delta is None:
                     open_prompts -= 1
                 else:

@@ -253,6 +253,8 @@ class ServerMetrics:
                                "generation_only requests by how their prompt was relayed", "mode")
         self.prompt_tokens = add(Counter, "prompt_tokens_total", "Prompt tokens processed")
         self.generation_tokens = add(Counter, "generation_tokens_total", "Generated tokens")
+        self.engine_restarts = add(Counter, "engine_restarts_total",
+                                   "Times the engine process was started again after it stopped")
         self.running = add(Gauge, "num_requests_running", "Requests in the engine's running batch")
         self.waiting = add(Gauge, "num_requests_waiting", "Requests waiting to be scheduled")
         self.kv_used = add(Gauge, "kv_blocks_used", "KV cache blocks in use")
