@@ -79,6 +79,7 @@ def _serve(args) -> int:
     serve(ServerConfig(host=args.host, port=args.port, role=args.role,
                        served_model_name=args.served_model_name,
                        max_body_bytes=args.max_body_bytes,
+                       max_waiting_requests=args.max_waiting_requests,
                        engine_stall_seconds=args.engine_stall_seconds,
                        engine=_engine_config(args)))
     return 0
@@ -121,6 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--role", default="agg", choices=["agg", "ctx", "gen"])
     serve.add_argument("--served-model-name", default=None)
     serve.add_argument("--max-body-bytes", type=int, default=64 << 20)
+    serve.add_argument("--max-waiting-requests", type=int,
+                       default=ServerConfig.max_waiting_requests,
+                       help="requests waiting for the engine past which new ones are refused "
+                            "at once (503 with Retry-After)")
     serve.add_argument("--engine-stall-seconds", type=float,
                        default=ServerConfig.engine_stall_seconds,
                        help="/health answers 503 when the engine completed no step for this "

@@ -1,6 +1,6 @@
 """Faults injected into a real worker process (front-end + engine core, tiny model): the
-engine killed with requests streaming and waiting, and the engine stopped (SIGSTOP) while
-it holds a request."""
+engine killed with requests streaming and waiting, the engine stopped (SIGSTOP) while it
+holds a request, and more waiting requests than the worker takes."""
 
 import json
 import os
@@ -8,6 +8,7 @@ import signal
 import socket
 import threading
 import time
+import urllib.request
 
 import pytest
 
@@ -18,9 +19,9 @@ LONG = 50_000   # tokens: a request that runs until the test ends it
 
 @pytest.fixture(scope="module")
 def worker():
-    # One sequence runs at a time, so a second request waits.
+    # One sequence runs at a time, so a second request waits; one may wait, a third is shed.
     w = Worker("--model", "tiny-random", "--dtype", "float32", "--max-num-seqs", "1",
-               "--engine-stall-seconds", "2")
+               "--max-waiting-requests", "1", "--engine-stall-seconds", "2")
     yield w
     w.close()
 
@@ -126,3 +127,25 @@ def test_a_stopped_engine_is_reported_stalled_until_it_continues(worker):
     running.close()
     wait_for(lambda: metrics(worker.url)["splitserve_num_requests_running"] == 0)
     assert engine_pid(worker) == pid
+
+
+def test_more_waiting_requests_than_allowed_are_shed_with_retry_after(worker):
+    shed = metrics(worker.url).get("splitserve_requests_shed_total", 0)
+    running = RawStream(worker)
+    t, queued = in_thread(completion, worker, max_tokens=4)
+    wait_for(lambda: waiting(worker) == 1)
+    req = urllib.request.Request(worker.url + "/v1/completions", method="POST",
+                                 data=json.dumps({"prompt": "hi", "max_tokens": 2}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(req, timeout=60)
+    assert refused.value.code == 503 and refused.value.headers["Retry-After"] == "1"
+    error = json.loads(refused.value.read())["error"]
+    assert "overloaded" in error["message"] and error["type"] == "server_error"
+    assert metrics(worker.url)["splitserve_requests_shed_total"] == shed + 1
+    assert health(worker)[0] == 200      # busy is not unhealthy
+
+    running.close()                      # the running request ends: the waiting one runs
+    t.join(60)
+    assert queued["result"][0] == 200
+    assert completion(worker, max_tokens=2)[0] == 200

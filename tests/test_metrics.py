@@ -89,9 +89,12 @@ def test_server_metrics():
     sm.update_engine(SimpleNamespace(num_running=2, num_waiting=1, kv_blocks_used=25, kv_blocks_leased=4,
                                      kv_blocks_total=100, prefix_cache_queries=64,
                                      prefix_cache_hits=32))
+    assert parse_prometheus(sm.render())[key("splitserve_requests_shed_total")] == 0
+    sm.shed.inc()
     sm.engine_restarts.set_total(2)
     m = parse_prometheus(sm.render())
     assert m[key("splitserve_requests_total", endpoint="/v1/completions", status="200")] == 1
+    assert m[key("splitserve_requests_shed_total")] == 1
     assert m[key("splitserve_engine_restarts_total")] == 2
     assert m[key("splitserve_time_to_first_token_seconds_bucket", le="0.025")] == 1
     assert m[key("splitserve_time_to_first_token_seconds_bucket", le="0.01")] == 0

@@ -23,11 +23,15 @@ from splitserve.signals import wait_for_stop_signal
 
 logger = logging.getLogger(__name__)
 
-RETRY_AFTER = "1"   # seconds a refused client is asked to wait (the engine is restarting)
+RETRY_AFTER = "1"   # seconds a refused client is asked to wait (overloaded, restarting)
 
 
 class ModelNotFound(InvalidRequestError):
     pass
+
+
+class Overloaded(RuntimeError):
+    """More requests wait for the engine than the worker is configured to hold: 503."""
 
 
 class _TokenizeBody(msgspec.Struct):
@@ -71,8 +75,13 @@ class WorkerServer:
 
     def admit(self) -> None:
         """Refuse a generation request at once, before any work is spent on it, when the
-        engine is down (503 with Retry-After)."""
+        engine is down or too many requests wait for it (503 with Retry-After)."""
         self.engine.check_available()
+        waiting = self.engine.num_waiting
+        if waiting >= self.config.max_waiting_requests:
+            self.metrics.shed.inc()
+            raise Overloaded(f"the server is overloaded ({waiting} requests are waiting); "
+                             f"retry shortly")
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
@@ -100,7 +109,7 @@ class WorkerServer:
         except InvalidRequestError as exc:
             status = 400
             return _error(400, exc.message, "invalid_request_error", exc.param)
-        except EngineDeadError as exc:
+        except (EngineDeadError, Overloaded) as exc:
             status = 503
             return _error(503, str(exc), "server_error", headers={"Retry-After": RETRY_AFTER})
         except (asyncio.CancelledError, ConnectionResetError):

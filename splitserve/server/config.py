@@ -20,6 +20,10 @@ class ServerConfig:
     max_body_bytes: int = 64 << 20         # larger bodies get 413
     tokenizer_threads: int = 2
     engine_start_timeout: float = 600.0
+    # Requests waiting for the engine (submitted, not running) past which new ones get 503 +
+    # Retry-After instead of a place in an unbounded queue. Far above what the benchmarks
+    # hold (1024 in flight): a bound on memory and latency, not a scheduling knob.
+    max_waiting_requests: int = 4096
     engine_stall_seconds: float = 60.0     # no engine step this long, holding work: /health 503
     engine: EngineConfig = field(default_factory=EngineConfig)
 
@@ -30,6 +34,8 @@ class ServerConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.max_body_bytes < 1024:
             raise ValueError("max_body_bytes must be at least 1024")
+        if self.max_waiting_requests < 1:
+            raise ValueError("max_waiting_requests must be at least 1")
         if not self.engine_stall_seconds > 0:
             raise ValueError("engine_stall_seconds must be positive")
 

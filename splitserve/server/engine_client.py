@@ -131,6 +131,12 @@ class EngineClient:
                     f"holds requests")
         return None
 
+    @property
+    def num_waiting(self) -> int:
+        """Requests submitted and not finished that the engine is not running (as of its
+        last stats): what load shedding bounds."""
+        return max(len(self.queues) - self.stats.num_running, 0)
+
     async def start(self, timeout: float = 300.0) -> EngineReady:
         """Spawn the engine process and wait for its handshake."""
         self.start_timeout = timeout

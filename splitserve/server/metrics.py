@@ -253,6 +253,8 @@ class ServerMetrics:
                                "generation_only requests by how their prompt was relayed", "mode")
         self.prompt_tokens = add(Counter, "prompt_tokens_total", "Prompt tokens processed")
         self.generation_tokens = add(Counter, "generation_tokens_total", "Generated tokens")
+        self.shed = add(Counter, "requests_shed_total",
+                        "Generation requests refused with 503 because too many were waiting")
         self.engine_restarts = add(Counter, "engine_restarts_total",
                                    "Times the engine process was started again after it stopped")
         self.running = add(Gauge, "num_requests_running", "Requests in the engine's running batch")
