@@ -81,15 +81,18 @@ def waiting(worker) -> float:
 
 
 def completion(worker, **body):
-    return post(worker.url + "/v1/completions", {"model": "tiny-random", "prompt": "hi", **body})
+    return post(worker.url + "/v1/completions", {"model": "tiny-random", "prompt": "hi", **body},
+                timeout=60)
 
 
 def test_a_killed_engine_fails_its_requests_and_is_restarted(worker):
     old = engine_pid(worker)
     restarts = metrics(worker.url).get("splitserve_engine_restarts_total", 0)
     running = RawStream(worker)
-    t, queued = in_thread(completion, worker, max_tokens=LONG, ignore_eos=True)
-    wait_for(lambda: waiting(worker) == 1)
+    # Two prompts in one request: both wait, and the failure of either fails the request.
+    t, queued = in_thread(completion, worker, prompt=["hi", "there"], max_tokens=LONG,
+                          ignore_eos=True)
+    wait_for(lambda: waiting(worker) == 2)
     os.kill(old, signal.SIGKILL)
 
     data = running.until_done().decode()
