@@ -198,9 +198,13 @@ def test_reading_pauses_while_max_pipelined_requests_wait():
         writer.write(request("GET", "/slow"))
         await asyncio.wait_for(app.started.wait(), 10)
         conn, = server.connections
-        for i in range(20):                   # one write each: the server reads each alone
+        for i in range(20):       # each read alone: the next is sent once this one is queued
             writer.write(request("GET", f"/p{i}"))
-            await asyncio.sleep(0.02)
+            for _ in range(1000):
+                if len(conn.queue) > i or conn._read_paused:
+                    break
+                await asyncio.sleep(0.01)
+        await asyncio.sleep(0.5)              # (a server that still read would take more)
         queued = len(conn.queue)
         app.release.set()
         paths = [json.loads((await asyncio.wait_for(read_response(reader), 10))[2])["path"]
