@@ -330,3 +330,9 @@ def test_100_continue_waits_for_the_responses_before_it(first):
     assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
     assert status == 200 and json.loads(body) == {
         "method": "POST", "path": "/b", "query": "", "x": None, "len": 4}
+
+
+@pytest.mark.parametrize("field", ["head_timeout", "max_pipelined", "max_connections"])
+def test_a_limit_that_is_not_positive_is_refused(field):
+    with pytest.raises(ValueError, match=f"HTTPLimits.{field} must be positive"):
+        HTTPLimits(**{field: 0})

@@ -126,9 +126,14 @@ class HTTPConnection(asyncio.Protocol):
             else:
                 self.refuse(400, f"malformed HTTP request: {exc}")
             return
-        # (counts whole reads: a bound on memory, not an exact limit)
+        self._check_sizes(len(data))
+
+    def _check_sizes(self, n: int) -> None:
+        """The bytes httptools holds of a request still arriving: an unfinished head, a
+        chunked body's trailers. (Counts whole reads: a bound on memory, not an exact
+        limit.)"""
         if self.reading == HEAD:
-            self._head_bytes += len(data)
+            self._head_bytes += n
             if self._head_bytes > self.limits.max_head_bytes:
                 self.refuse(431, f"request line and headers exceed "
                                  f"{self.limits.max_head_bytes} bytes")
@@ -186,6 +191,8 @@ class HTTPConnection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         self.reading, self._continue = 0, False
+        if self.transport.is_closing():
+            return
         if self._too_large:
             raise Refusal(413, self._too_large_message())
         url = self._url
