@@ -9,7 +9,7 @@ import json
 import aiohttp
 import pytest
 
-from splitserve.httpd import HTTPServer, Request, Response, json_response
+from splitserve.httpd import HTTPLimits, HTTPServer, Request, Response, json_response
 
 LIMIT = 4096
 
@@ -52,8 +52,8 @@ class App:
         return out
 
 
-async def serve(app):
-    server = HTTPServer(app, LIMIT, "test")
+async def serve(app, **limits):
+    server = HTTPServer(app, LIMIT, "test", HTTPLimits(**limits))
     await server.start("127.0.0.1", 0, 128)
     return server
 
@@ -170,7 +170,7 @@ def test_malformed_request_is_a_400_and_the_server_keeps_serving():
     bad, good, boom = run(main())
     assert bad[0] == 400 and "malformed HTTP request" in json.loads(bad[2])["error"]["message"]
     assert good == 200
-    assert boom[0] == 500 and boom[1]["error"]["type"] == "server_error"
+    assert boom[0] == 500 and boom[1]["error"] == {"message": "internal error", "status": 500}
 
 
 def test_http_1_0_closes_after_the_response():
@@ -263,8 +263,7 @@ def test_whole_response_encoding():
 
 def test_idle_keep_alive_connections_are_closed_after_the_timeout():
     async def main():
-        server = HTTPServer(App(), LIMIT, "test")
-        await server.start("127.0.0.1", 0, 128, keepalive_timeout=0.2)
+        server = await serve(App(), keepalive_timeout=0.2)
         response, reader, _ = await exchange(server, request("GET", "/a"))
         eof = await asyncio.wait_for(reader.read(), 5) == b""
         await server.close()
@@ -289,7 +288,7 @@ def test_an_upgrade_request_is_answered_as_http_1_1_and_the_connection_closed():
 
 
 def test_a_request_head_that_never_ends_is_refused():
-    from splitserve.httpd.protocol import MAX_HEAD_BYTES
+    MAX_HEAD_BYTES = HTTPLimits().max_head_bytes
 
     async def main():
         server = await serve(App())

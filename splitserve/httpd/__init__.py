@@ -1,6 +1,7 @@
 """The worker front-end's HTTP/1.1 server (httptools on the running event loop)."""
 
+from splitserve.httpd.limits import HTTPLimits
 from splitserve.httpd.messages import ChunkedStream, Request, Response, json_response
 from splitserve.httpd.server import HTTPServer
 
-__all__ = ["ChunkedStream", "HTTPServer", "Request", "Response", "json_response"]
+__all__ = ["ChunkedStream", "HTTPLimits", "HTTPServer", "Request", "Response", "json_response"]

@@ -1,10 +1,16 @@
 """One HTTP/1.1 connection: httptools parses the bytes, one handler task runs at a time, and
 responses leave in request order (pipelined requests wait their turn).
 
-Per request this costs a parser pass (C), a handful of callbacks, one task and one
-transport.write for a whole response. Bodies are buffered up to the server's limit; a
-larger one is answered 413 after it has been read past (or at once when the client waits
+Per request this costs a parser pass (C), a handful of callbacks, two clock reads, one task
+and one transport.write for a whole response. Bodies are buffered up to the server's limit;
+a larger one is answered 413 after it has been read past (or at once when the client waits
 on `Expect: 100-continue`), so the client sees the answer rather than a reset.
+
+Whatever ends a connection early (a malformed or oversized request, one that stops arriving)
+is answered in turn, after the responses to the requests before it, and nothing more is
+read. Reading pauses while `max_pipelined` requests wait; a response is not started while
+the client has not read the one before it (the transport is paused for writing), so a
+connection holds at most one unread response and a few requests.
 """
 
 from __future__ import annotations
@@ -18,30 +24,42 @@ from typing import TYPE_CHECKING
 import httptools
 
 from splitserve.httpd.messages import ChunkedStream, Request, Response
-from splitserve.protocol.openai_responses import error_body
 
 if TYPE_CHECKING:
     from splitserve.httpd.server import HTTPServer
 
 logger = logging.getLogger(__name__)
 
-KEEPALIVE_TIMEOUT = 75.0   # s an idle keep-alive connection stays open (aiohttp's, nginx's)
-MAX_PIPELINED = 32         # parsed requests queued behind a running one before reading pauses
-MAX_HEAD_BYTES = 1 << 20   # an unfinished request head; httptools buffers it without bound
+HEAD, BODY = 1, 2      # the part of a request arriving, for its timeout
+CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+LINGER = 2.0           # s a refused connection reads and drops what its client still sends
+
+
+class Refusal(Exception):
+    """Raised in a parser callback: stop parsing; the request is answered `status`."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status, self.message = status, message
 
 
 class HTTPConnection(asyncio.Protocol):
     def __init__(self, server: HTTPServer):
-        self.server = server
+        self.server, self.limits = server, server.limits
+        self.loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpRequestParser(self)
         self.queue: deque[Request | Response] = deque()
         self.task: asyncio.Task | None = None       # the handler of the request being answered
         self.stream: ChunkedStream | None = None    # its chunked response, once started
-        self.write_paused = False
-        self._read_paused = False
+        self.write_paused, self.write_paused_since = False, 0.0
+        self._read_paused = False                   # max_pipelined requests wait
+        self._stopped = False                       # nothing more is read: closes after queue
         self._drain_waiter: asyncio.Future | None = None
-        self._in_head, self._head_bytes = False, 0  # a request head is still arriving; its size
+        self.reading, self.reading_since = 0, 0.0   # HEAD or BODY arriving since (loop time)
+        self._head_bytes = 0                        # of the head arriving
+        self._overhead = 0                          # of the chunked body arriving, not body
+        self._continue = False                      # 100 Continue waits for earlier responses
         self.idle_since: float | None = None        # loop time it last went idle; None: busy
         self._last: Request | None = None           # the request parsed last
         self._begin()
@@ -49,6 +67,10 @@ class HTTPConnection(asyncio.Protocol):
     # -- transport events -----------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:
         self.transport = transport
+        if len(self.server.connections) >= self.limits.max_connections:
+            transport.write(self.server.connection_refusal().encode(keep_alive=False))
+            self._linger()
+            return
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -63,7 +85,7 @@ class HTTPConnection(asyncio.Protocol):
         self._wake_writer(ConnectionResetError("the client closed the connection"))
 
     def pause_writing(self) -> None:
-        self.write_paused = True
+        self.write_paused, self.write_paused_since = True, self.loop.time()
 
     def resume_writing(self) -> None:
         self.write_paused = False
@@ -73,7 +95,7 @@ class HTTPConnection(asyncio.Protocol):
         """Wait until the transport's write buffer is below its high-water mark."""
         if self.transport.is_closing():
             raise ConnectionResetError("the client closed the connection")
-        self._drain_waiter = asyncio.get_running_loop().create_future()
+        self._drain_waiter = self.loop.create_future()
         await self._drain_waiter
 
     def _wake_writer(self, exc: Exception | None) -> None:
@@ -82,7 +104,11 @@ class HTTPConnection(asyncio.Protocol):
             waiter.set_result(None) if exc is None else waiter.set_exception(exc)
 
     def data_received(self, data: bytes) -> None:
+        if self._stopped:
+            return
         self.idle_since = None
+        if self.reading == BODY:
+            self._overhead += len(data)     # on_body takes the body's part back out
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -91,29 +117,51 @@ class HTTPConnection(asyncio.Protocol):
             # whatever the client sends meanwhile is not HTTP/1.1 and is not read.
             if self._last is not None:
                 self._last.keep_alive = False
-            self.transport.pause_reading()
-        except httptools.HttpParserError as exc:
-            self.reject(400, f"malformed HTTP request: {exc}")
+            self._stop_reading()
             return
-        if self._in_head:   # (counts the whole read: a bound on memory, not an exact limit)
-            self._head_bytes += len(data)
-            if self._head_bytes > MAX_HEAD_BYTES:
-                self.reject(431, f"request line and headers exceed {MAX_HEAD_BYTES} bytes")
+        except httptools.HttpParserError as exc:
+            cause = exc.__context__
+            if isinstance(cause, Refusal):
+                self.refuse(cause.status, cause.message)
+            else:
+                self.refuse(400, f"malformed HTTP request: {exc}")
+            return
+        self._check_sizes(len(data))
+
+    def _check_sizes(self, n: int) -> None:
+        """The bytes httptools holds of a request still arriving: an unfinished head, a
+        chunked body's trailers. (Counts whole reads: a bound on memory, not an exact
+        limit.)"""
+        if self.reading == HEAD:
+            self._head_bytes += n
+            if self._head_bytes > self.limits.max_head_bytes:
+                self.refuse(431, f"request line and headers exceed "
+                                 f"{self.limits.max_head_bytes} bytes")
+        elif self.reading == BODY and self._overhead > self.limits.max_chunk_overhead:
+            self.refuse(431, f"chunk-size lines and trailers of the request body exceed "
+                             f"{self.limits.max_chunk_overhead} bytes")
 
     # -- httptools callbacks --------------------------------------------------------------
     def _begin(self) -> None:
         """Ready for the next message (and let go of the last one's body)."""
         self._url, self._headers, self._body = b"", [], []
-        self._size, self._too_large, self._expect = 0, False, False
+        self._size, self._too_large, self._expect, self._trailers = 0, False, False, 0
 
     def on_message_begin(self) -> None:
-        self._in_head, self._head_bytes = True, 0
+        self.reading, self.reading_since, self._head_bytes = HEAD, self.loop.time(), 0
 
     def on_url(self, url: bytes) -> None:
         self._url += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if self.reading == BODY:            # a trailer: bounded, then dropped
+            self._trailers += 1
+            if self._trailers > self.limits.max_trailers:
+                raise Refusal(431, f"more than {self.limits.max_trailers} trailer lines")
+            return
         self._headers.append((name, value))
+        if len(self._headers) > self.limits.max_header_lines:
+            raise Refusal(431, f"more than {self.limits.max_header_lines} header lines")
         key = name.lower()
         if key == b"content-length":
             self._too_large = value.isdigit() and int(value) > self.server.max_body_bytes
@@ -121,13 +169,18 @@ class HTTPConnection(asyncio.Protocol):
             self._expect = value.lower() == b"100-continue"
 
     def on_headers_complete(self) -> None:
-        self._in_head = False
+        self.reading, self.reading_since, self._overhead = BODY, self.loop.time(), 0
         if self._expect and self._too_large:   # the client waits for our word: refuse now
-            self.reject(413, self._too_large_message())
-        elif self._expect:
-            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            raise Refusal(413, self._too_large_message())
+        if self._expect:
+            if self.task is None and not self.queue:
+                self.transport.write(CONTINUE)
+            else:   # never inside the responses before it: sent when they are (_next)
+                self._continue = True
 
     def on_body(self, chunk: bytes) -> None:
+        self._overhead -= len(chunk)
+        self._continue = False      # the client sends its body without waiting for ours
         if self._too_large:
             return
         self._size += len(chunk)
@@ -137,23 +190,23 @@ class HTTPConnection(asyncio.Protocol):
             self._body.append(chunk)
 
     def on_message_complete(self) -> None:
+        self.reading, self._continue = 0, False
         if self.transport.is_closing():
             return
         if self._too_large:
-            self.queue.append(Response(error_body(self._too_large_message()), 413))
-        else:
-            url = self._url
-            if not url.startswith(b"/"):           # absolute form: http://host/path
-                parsed = httptools.parse_url(url)
-                url = (parsed.path or b"/") + (b"?" + parsed.query if parsed.query else b"")
-            body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
-            self._last = Request(self.parser.get_method().decode("ascii"), url, self._headers,
-                                 body, self.parser.should_keep_alive(), self)
-            self.queue.append(self._last)
+            raise Refusal(413, self._too_large_message())
+        url = self._url
+        if not url.startswith(b"/"):           # absolute form: http://host/path
+            parsed = httptools.parse_url(url)
+            url = (parsed.path or b"/") + (b"?" + parsed.query if parsed.query else b"")
+        body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
+        self._last = Request(self.parser.get_method().decode("ascii"), url, self._headers,
+                             body, self.parser.should_keep_alive(), self)
+        self.queue.append(self._last)
         self._begin()
         if self.task is None:
             self._next()
-        elif len(self.queue) > MAX_PIPELINED and not self._read_paused:
+        elif len(self.queue) >= self.limits.max_pipelined and not self._read_paused:
             self._read_paused = True
             self.transport.pause_reading()
 
@@ -164,18 +217,23 @@ class HTTPConnection(asyncio.Protocol):
     def _next(self) -> None:
         """Start answering the next queued request, or wait for one."""
         self.task = None
-        if self._read_paused and len(self.queue) <= MAX_PIPELINED // 2:
+        if self._read_paused and len(self.queue) <= self.limits.max_pipelined // 2:
             self._read_paused = False
-            self.transport.resume_reading()
+            if not self._stopped:
+                self.reading_since = self.loop.time()   # its clock stood while we did not read
+                self.transport.resume_reading()
         if not self.queue:
+            if self._continue:      # the request waiting for it is next
+                self._continue, self.reading_since = False, self.loop.time()
+                self.transport.write(CONTINUE)
             self._wait_idle()
             return
         item = self.queue.popleft()
-        if isinstance(item, Response):                 # refused while parsing (413)
+        if isinstance(item, Response):                 # a refusal: the connection ends here
             self.transport.write(item.encode(keep_alive=False))
-            self.transport.close()
+            self._linger()
             return
-        self.task = asyncio.get_running_loop().create_task(self._answer(item))
+        self.task = self.loop.create_task(self._answer(item))
 
     async def _answer(self, request: Request) -> None:
         try:
@@ -183,7 +241,7 @@ class HTTPConnection(asyncio.Protocol):
         except Exception:   # the handler maps errors to responses; this is a last resort
             logger.exception("%s: %s %s failed", self.server.log_prefix, request.method,
                              request.path)
-            response = Response(error_body("internal error", "server_error"), 500)
+            response = self.server.error_response("internal error", 500)
         if self._last is request:
             self._last = None            # its body is not kept alive with the connection
         if self.transport.is_closing():
@@ -198,22 +256,63 @@ class HTTPConnection(asyncio.Protocol):
                                request.method, request.path, response.status)
                 keep_alive = False
             stream.end()
-        if keep_alive:
-            self._next()
-        else:
+        if not keep_alive:
             self.transport.close()
+            return
+        if self.write_paused:   # the client is not reading: hold the next response back
+            try:
+                await self.drain()
+            except ConnectionResetError:
+                return
+        self._next()
 
-    def reject(self, status: int, message: str) -> None:
-        """Answer a request the parser could not take, then close: the connection's byte
-        stream can no longer be trusted to hold request boundaries."""
-        if not self.transport.is_closing():
-            self.transport.write(Response(error_body(message), status).encode(keep_alive=False))
+    def refuse(self, status: int, message: str) -> None:
+        """Answer `status` once the requests before are answered, then close: the byte stream
+        no longer holds trustworthy request boundaries, or the client is too slow."""
+        if self._stopped or self.transport.is_closing():
+            return
+        self._stop_reading()
+        self.queue.append(self.server.error_response(message, status))
+        if self.task is None:
+            self._next()
+
+    def _stop_reading(self) -> None:
+        self._stopped, self.reading, self._continue = True, 0, False
+        self.transport.pause_reading()
+
+    def _linger(self) -> None:
+        """Close after a refusal without a reset: closing with unread input resets the
+        connection, and a client still sending would lose our answer with it. So: no more
+        writes (FIN after the answer), drop whatever arrives, abort after LINGER seconds."""
+        self._stopped = True
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self.transport.resume_reading()
+        self.loop.call_later(LINGER, self.transport.abort)
+
+    def expire(self, now: float) -> None:
+        """The server's sweep (a timestamp per request, not a timer): a keep-alive connection
+        idle past keepalive_timeout closes; a request whose head or body stopped arriving is
+        answered 408; one whose client has read nothing for send_timeout is dropped. A clock
+        stands while the server is the one not reading."""
+        limits = self.limits
+        if self.write_paused and now - self.write_paused_since > limits.send_timeout:
+            logger.info("%s: a client read nothing for %g s: connection dropped",
+                        self.server.log_prefix, limits.send_timeout)
+            self.transport.abort()
+        elif self.reading:
+            if self._read_paused or self._continue:
+                return
+            limit = limits.head_timeout if self.reading == HEAD else limits.body_timeout
+            if now - self.reading_since > limit:
+                part = "line and headers" if self.reading == HEAD else "body"
+                self.refuse(408, f"the request {part} did not arrive within {limit:g} s")
+        elif self.idle_since is not None and now - self.idle_since > limits.keepalive_timeout:
             self.transport.close()
 
     def _wait_idle(self) -> None:
-        """Idle until the next request; the server's sweep closes connections idle longer
-        than KEEPALIVE_TIMEOUT (a timestamp per request, not a timer)."""
+        """Idle until the next request (expire() closes it after keepalive_timeout)."""
         if self.server.closing:
             self.transport.close()
         else:
-            self.idle_since = asyncio.get_running_loop().time()
+            self.idle_since = self.loop.time()

@@ -68,7 +68,10 @@ class WorkerServer:
             "/tokenize": ("POST", self.tokenize),
             "/detokenize": ("POST", self.detokenize),
         }
-        self.http = HTTPServer(self.dispatch, config.max_body_bytes, config.log_prefix)
+        self.http = HTTPServer(self.dispatch, config.max_body_bytes, config.log_prefix,
+                               error_body=lambda message, status: error_body(
+                                   message, "server_error" if status >= 500
+                                   else "invalid_request_error"))
 
     async def in_pool(self, fn):
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn)
