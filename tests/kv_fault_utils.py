@@ -24,10 +24,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 class FakeCtx:
     """A misbehaving context worker: a real ROUTER on loopback that answers each PullRequest
-    with answer(request): a list of frames, or None for no answer at all."""
+    with answer(request): a list of frames, or None for no answer at all; `repeat` times."""
 
-    def __init__(self, answer):
-        self.answer, self.requests = answer, []
+    def __init__(self, answer, repeat=1):
+        self.answer, self.repeat, self.requests, self.sent = answer, repeat, [], 0
         self.zctx = zmq.Context()
         self.sock = self.zctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -47,8 +47,9 @@ class FakeCtx:
             if isinstance(msg, PullRequest):
                 self.requests.append(msg)
                 frames = self.answer(msg)
-                if frames is not None:
+                for _ in range(self.repeat if frames is not None else 0):
                     self.sock.send_multipart([ident, *frames])
+                    self.sent += 1
 
     def close(self):
         self.stop.set()

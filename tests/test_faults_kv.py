@@ -65,8 +65,8 @@ def want(pairs):
 def fakes():
     made = []
 
-    def make(answer):
-        made.append(FakeCtx(answer))
+    def make(answer, repeat=1):
+        made.append(FakeCtx(answer, repeat))
         return made[-1]
     yield make
     for fake in made:
@@ -275,6 +275,21 @@ def test_a_wrong_tcp_offer_fails_its_pull_and_writes_nothing(pairs, fakes, want,
 @pytest.mark.parametrize("case", list(NIXL_REPLIES))
 def test_a_wrong_nixl_offer_fails_its_pull_and_writes_nothing(pairs, fakes, want, case):
     check_wrong_reply(*pairs("nixl"), fakes, *NIXL_REPLIES[case], want)
+
+
+def test_a_ctx_that_answers_twice_cannot_pass_off_a_stale_answer(pairs, fakes, want, caplog):
+    """The second answer to the first pull waits on the socket when the second pull starts:
+    it is dropped, and the second pull takes only the answer naming its own lease."""
+    _, gen = pairs("tcp")
+    size = gen.remote_kv.transport.block_nbytes
+    fake = fakes(lambda r: tcp_reply(r, blocks(size)), repeat=2)
+    for i in (1, 2):
+        pull(gen, f"twice{i}", forged(gen, fake.endpoint, f"t{i}"), want[:1])
+        (last,) = [d for d in drain(gen) if d.finish_reason is not None]
+        assert last.finish_reason == FinishReason.LENGTH, last.error
+        assert wait_for(lambda: fake.sent == 2 * i)
+    assert "dropped 1 unrequested messages" in caplog.text
+    assert_healthy(gen)
 
 
 def test_a_failing_done_callback_does_not_stop_the_pull_threads(pairs, want):

@@ -180,10 +180,12 @@ class Peer:
 
     def _discard_stale(self) -> None:
         """A message waiting before the request is sent answers nothing this GEN asked."""
+        stale = 0
         while self.sock.poll(0):
-            frames = self.sock.recv_multipart(copy=False)
-            logger.warning("kv: dropped an unrequested message (%d frames) from %s",
-                           len(frames), self.endpoint)
+            self.sock.recv_multipart(copy=False)
+            stale += 1
+        if stale:
+            logger.warning("kv: dropped %d unrequested messages from %s", stale, self.endpoint)
 
     def close(self) -> None:
         close_monitored(self.sock, self.monitor)
