@@ -52,6 +52,9 @@ class KVTransferConfig:
     port: int = 0                          # 0: any free port
     lease_seconds: float = 30.0            # a context_only request's KV waits this long for a pull
     timeout: float = 30.0                  # a pull that takes longer fails its request
+    connect_timeout: float = 5.0           # a CTX not connected by then fails the pull (refused: at once)
+    idle_seconds: float = 60.0             # a GEN's connection to a CTX unused this long is closed
+    pull_threads: int = 8                  # pulls from this many CTXs run side by side
     # Benchmark only (`bench frontend`): a generation_only pull reports success at once and
     # moves nothing, so its blocks hold stale KV and the output is garbage.
     bench_skip_pull: bool = False
@@ -60,6 +63,9 @@ class KVTransferConfig:
         _require(self.backend in ("tcp", "nixl"), f"KV backend must be tcp or nixl, got {self.backend!r}")
         _require(self.lease_seconds > 0, "lease_seconds must be positive")
         _require(self.timeout > 0, "KV transfer timeout must be positive")
+        _require(self.connect_timeout > 0, "KV connect_timeout must be positive")
+        _require(self.idle_seconds > 0, "KV idle_seconds must be positive")
+        _require(self.pull_threads >= 1, "KV pull_threads must be at least 1")
 
 
 @dataclass(frozen=True)

@@ -26,10 +26,13 @@ def require_backend(backend):
                                    "`pip install nixl==1.5.1` (scripts/install.sh test)")
 
 
-def engine(source, backend="tcp", lease=30.0, timeout=5.0, dtype="float32", block_size=4):
+def engine(source, backend="tcp", lease=30.0, timeout=5.0, dtype="float32", block_size=4,
+           **kv_options):
+    """kv_options: more KVTransferConfig fields (connect_timeout, idle_seconds, ...)."""
     cfg = EngineConfig(model="tiny-random", dtype=dtype, seed=0,
                        cache=CacheConfig(block_size, 128), scheduler=SchedulerConfig(64, 8),
-                       kv=KVTransferConfig(backend=backend, lease_seconds=lease, timeout=timeout))
+                       kv=KVTransferConfig(backend=backend, lease_seconds=lease, timeout=timeout,
+                                           **kv_options))
     return EngineCore(cfg, source)
 
 

@@ -125,7 +125,7 @@ def test_unreachable_context_worker(cluster):
     dead = {**params, "kv_handle": {**params["kv_handle"], "endpoint": "tcp://127.0.0.1:9"}}
     t0 = time.monotonic()
     status, err = generation(gen, dead)
-    assert status == 500 and "did not answer" in err["error"]["message"]
+    assert status == 500 and "could not connect" in err["error"]["message"]
     assert metrics(gen.url)["splitserve_kv_blocks_used"] == 0
     wait_for(lambda: leased(ctx) == 0, 10)   # the CTX lease expires on its own
 

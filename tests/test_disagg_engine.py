@@ -87,14 +87,14 @@ def test_unknown_ctx_request_and_layout_mismatch(pair, backend):
     assert gen.block_manager.num_free_blocks == gen.block_manager.num_blocks
 
 
-def test_unreachable_context_worker_times_out_cleanly(tiny_source, backend):
-    gen = engine(tiny_source, backend, timeout=0.5)
+def test_unreachable_context_worker_fails_its_request_cleanly(tiny_source, backend):
+    gen = engine(tiny_source, backend)
     try:
         dead = KVHandle(backend=backend, endpoint="tcp://127.0.0.1:9", ctx_request_id="c",
                         layout=gen.remote_kv.layout, num_tokens=len(PROMPT))
         gen.add_request("g", PROMPT, GREEDY, remote=RemotePrefill(dead, [5]))
         (delta,) = drain(gen)
-        assert delta.finish_reason == FinishReason.ERROR and "did not answer" in delta.error
+        assert delta.finish_reason == FinishReason.ERROR and "could not connect" in delta.error
         assert gen.block_manager.num_free_blocks == gen.block_manager.num_blocks
     finally:
         gen.remote_kv.close()

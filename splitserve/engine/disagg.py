@@ -16,6 +16,7 @@ from splitserve.engine.kv_leases import LeaseTable
 from splitserve.engine.request import NO_BLOCKS, Request
 from splitserve.errors import InvalidRequestError
 from splitserve.kv.base import PullResult, layout_fingerprint, make_transport
+from splitserve.kv.sockets import valid_endpoint
 from splitserve.protocol.engine import KVHandle, RemotePrefill
 
 logger = logging.getLogger(__name__)
@@ -29,7 +30,10 @@ class RemoteKV:
         self.wake = lambda: None          # the process wrapper points this at its loop
         self.leases = LeaseTable(config.lease_seconds, wake=lambda: self.wake())
         self.transport = make_transport(config.backend, kv_cache, self.layout, host=config.host,
-                                        port=config.port, timeout=config.timeout)
+                                        port=config.port, timeout=config.timeout,
+                                        connect_timeout=config.connect_timeout,
+                                        idle_seconds=config.idle_seconds,
+                                        pull_threads=config.pull_threads)
         self.endpoint = self.transport.start(self.leases)
         self.results: queue.SimpleQueue = queue.SimpleQueue()
         logger.info("engine: KV transport %s at %s", config.backend, self.endpoint)
@@ -57,6 +61,9 @@ class RemoteKV:
         if h.layout != self.layout:
             raise InvalidRequestError(f"KV layout mismatch: the context worker has [{h.layout}], "
                                       f"this worker has [{self.layout}]",
+                                      "disaggregated_params.kv_handle")
+        if not valid_endpoint(h.endpoint):
+            raise InvalidRequestError("the KV handle's endpoint must be tcp://host:port",
                                       "disaggregated_params.kv_handle")
         if h.backend != self.config.backend:
             raise InvalidRequestError(f"the context worker uses KV backend {h.backend!r}, this "

@@ -77,6 +77,7 @@ class KVTransport(abc.ABC):
     def __init__(self, kv_cache: torch.Tensor, layout: str):
         self.kv_cache = kv_cache     # (num_blocks, layers, 2, block_size, kv_heads, head_dim)
         self.layout = layout
+        self.block_nbytes = kv_cache[0].numel() * kv_cache.element_size()
 
     @abc.abstractmethod
     def start(self, leases: LeaseView) -> str:

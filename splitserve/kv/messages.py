@@ -2,12 +2,21 @@
 
 GEN -> CTX: a PullRequest, and a PullAck once the bytes are in its own blocks. CTX -> GEN:
 one reply per PullRequest; `error` set means nothing is offered. Both ends of a pull run the
-same backend, so each backend's reply type is read only by that backend.
+same backend, so each backend's reply type is read only by that backend. A reply names the
+lease it answers, so the GEN never takes an answer to another pull for its own.
 """
 
 from __future__ import annotations
 
 import msgspec
+
+# The largest message a CTX's KV server takes (a PullRequest or PullAck is a few hundred
+# bytes); a larger one makes ZeroMQ drop the sender's connection.
+MAX_REQUEST_BYTES = 64 << 10
+# The largest reply frame a GEN takes besides block frames (error text included).
+MAX_REPLY_BYTES = 64 << 10
+# A NIXL agent's metadata is a few hundred bytes over UCX/TCP; RDMA adds keys per device.
+MAX_AGENT_METADATA_BYTES = 1 << 20
 
 
 class PullRequest(msgspec.Struct, tag="pull"):
@@ -23,12 +32,14 @@ class PullAck(msgspec.Struct, tag="ack"):
 
 class TcpPullReply(msgspec.Struct):
     """Followed by num_blocks frames, one block's bytes each."""
+    ctx_request_id: str = ""
     error: str | None = None
     num_blocks: int = 0
 
 
 class NixlPullReply(msgspec.Struct):
     """Where the blocks are, for the GEN's NIXL agent to read them."""
+    ctx_request_id: str = ""
     error: str | None = None
     agent_name: str = ""
     agent_metadata: bytes = b""

@@ -3,10 +3,11 @@
 Each transport owns one NIXL agent (UCX backend) that registers the whole KV cache once.
 CTX: the reply to a PullRequest (kv.zmq_pull's conversation over ZeroMQ) carries the lease's
 block ids, the cache's base address and the agent's metadata; the CTX never touches the agent
-after start, so NIXL's own progress thread serves the READs. GEN: the pull thread alone calls
-the agent (NIXL agents are not thread-safe in their default sync mode). It loads the CTX
-agent's metadata once per agent, posts one READ from remote blocks into local ones and polls
-it to completion; then the PullAck releases the lease.
+after start, so NIXL's own progress thread serves the READs. GEN: pulls from different CTXs
+run on different pull threads, so the agent is created in NIXL's strict thread-sync mode. A
+pull checks the offer (block size and count, ids, metadata size), loads the CTX agent's
+metadata once per agent, posts one READ from remote blocks into its own local blocks and
+polls it to completion; then the PullAck releases the lease.
 
 UCX picks its transports from the environment when the agent is created. If the user has not
 set them, this module sets UCX_TLS=tcp and, for a loopback host, UCX_NET_DEVICES=lo: that
@@ -20,6 +21,7 @@ import ipaddress
 import logging
 import os
 import socket
+import threading
 import time
 import uuid
 
@@ -28,7 +30,8 @@ import numpy as np
 import torch
 
 from splitserve.kv.base import LeaseView, register
-from splitserve.kv.messages import NixlPullReply
+from splitserve.kv.messages import MAX_AGENT_METADATA_BYTES, MAX_REPLY_BYTES, NixlPullReply
+from splitserve.kv.sockets import BadReply
 from splitserve.kv.zmq_pull import ZmqPullTransport
 from splitserve.protocol.engine import KVHandle
 
@@ -60,8 +63,11 @@ def _default_ucx_env(host: str) -> None:
 def _make_agent(nixl, name: str):
     ucx = (f"UCX_TLS={os.environ.get('UCX_TLS')} "
            f"UCX_NET_DEVICES={os.environ.get('UCX_NET_DEVICES', '')}")
+    # Strict: the pull threads call the agent concurrently (one pull per CTX at a time).
+    config = nixl.nixl_agent_config(backends=["UCX"],
+                                    sync_mode=nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
     try:
-        agent = nixl.nixl_agent(name, nixl.nixl_agent_config(backends=["UCX"]))
+        agent = nixl.nixl_agent(name, config)
     except Exception as exc:   # nixl says only NIXL_ERR_BACKEND: name what the user can change
         raise RuntimeError(f"could not start NIXL's UCX backend ({exc}) with {ucx}: "
                            f"check that they name transports and devices this machine has") from exc
@@ -91,18 +97,18 @@ class NixlTransport(ZmqPullTransport):
     reply_type = NixlPullReply
 
     def __init__(self, kv_cache: torch.Tensor, layout: str, host: str = "127.0.0.1",
-                 port: int = 0, timeout: float = 30.0):
+                 **options):
         # The agent before the ZeroMQ context (super().__init__): a failure leaves no context open.
         nixl = _import_nixl()
         assert kv_cache.is_contiguous() and kv_cache.device.type == "cpu"
-        self.block_nbytes = kv_cache[0].numel() * kv_cache.element_size()
         _default_ucx_env(host)
         self.agent_name = f"splitserve-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.agent = _make_agent(nixl, self.agent_name)
         self.reg = self.agent.register_memory(kv_cache)          # one region: the whole cache
         self.metadata = self.agent.get_agent_metadata()          # after registering: includes it
         self._remote: dict[str, str] = {}                        # endpoint -> loaded agent name
-        super().__init__(kv_cache, layout, host, port, timeout)
+        self._remote_lock = threading.Lock()
+        super().__init__(kv_cache, layout, host, **options)
 
     # -- CTX side -------------------------------------------------------------------------
     def start(self, leases: LeaseView) -> str:
@@ -111,9 +117,9 @@ class NixlTransport(ZmqPullTransport):
                     os.environ.get("UCX_TLS"), os.environ.get("UCX_NET_DEVICES", "all"))
         return endpoint
 
-    def _offer(self, blocks: np.ndarray) -> list:
+    def _offer(self, ctx_request_id: str, blocks: np.ndarray) -> list:
         return [msgspec.msgpack.encode(NixlPullReply(
-            agent_name=self.agent_name, agent_metadata=self.metadata,
+            ctx_request_id=ctx_request_id, agent_name=self.agent_name, agent_metadata=self.metadata,
             base_addr=self.kv_cache.data_ptr(), block_bytes=self.block_nbytes,
             block_ids=blocks.tolist()))]
 
@@ -123,27 +129,34 @@ class NixlTransport(ZmqPullTransport):
         return b""
 
     # -- GEN side -------------------------------------------------------------------------
+    def _max_frame(self) -> int:
+        # The reply: metadata, and at most the whole cache's block ids (9 msgpack bytes each).
+        return MAX_REPLY_BYTES + MAX_AGENT_METADATA_BYTES + 9 * self.kv_cache.shape[0]
+
     def _receive(self, handle: KVHandle, reply: NixlPullReply, frames: list, dst: np.ndarray,
                  deadline: float) -> int:
-        if reply.block_bytes != self.block_nbytes or len(reply.block_ids) != len(dst):
-            raise RuntimeError(f"context worker offers {len(reply.block_ids)} blocks of "
-                               f"{reply.block_bytes} bytes, expected {len(dst)} of {self.block_nbytes}")
+        _check_offer(reply, frames, dst, self.block_nbytes)
         if len(dst):
             self._read(self._remote_agent(handle.endpoint, reply), reply, dst, deadline)
         return len(dst) * self.block_nbytes
 
     def _remote_agent(self, endpoint: str, reply: NixlPullReply) -> str:
         """Loads the CTX agent's metadata once; a restarted CTX comes back with a new name."""
-        known = self._remote.get(endpoint)
-        if known != reply.agent_name:
-            if known is not None:
-                self._forget(endpoint)
-            self.agent.add_remote_agent(reply.agent_metadata)
-            self._remote[endpoint] = reply.agent_name
+        with self._remote_lock:
+            known = self._remote.get(endpoint)
+            if known != reply.agent_name:
+                if known is not None:
+                    self._forget(endpoint)
+                if reply.agent_name not in self._remote.values():   # another endpoint's alias
+                    self.agent.add_remote_agent(reply.agent_metadata)
+                self._remote[endpoint] = reply.agent_name
         return reply.agent_name
 
     def _forget(self, endpoint: str) -> None:
+        """Drops an endpoint's agent (the caller holds _remote_lock)."""
         name = self._remote.pop(endpoint, None)
+        if name in self._remote.values():
+            return   # still reached through another endpoint
         if name is not None:
             try:
                 self.agent.remove_remote_agent(name)   # also disconnects from it
@@ -176,7 +189,7 @@ class NixlTransport(ZmqPullTransport):
     def _wait(self, xfer, deadline: float) -> str:
         """Posts the READ and polls it: DONE, ERR, or PROC if the deadline passed first."""
         state, pause = self.agent.transfer(xfer), 5e-5
-        while state == "PROC" and time.perf_counter() < deadline:
+        while state == "PROC" and time.monotonic() < deadline and not self.pool.stop.is_set():
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)   # short reads finish fast; long ones need no spin
             state = self.agent.check_xfer_state(xfer)
@@ -191,8 +204,9 @@ class NixlTransport(ZmqPullTransport):
         except Exception as exc:
             released = False
             logger.error("kv-nixl: could not cancel a READ from %s (%s); disconnecting", remote, exc)
-        for endpoint in [e for e, name in self._remote.items() if name == remote]:
-            self._forget(endpoint)   # disconnecting aborts what is still in flight
+        with self._remote_lock:
+            for endpoint in [e for e, name in self._remote.items() if name == remote]:
+                self._forget(endpoint)   # disconnecting aborts what is still in flight
         if not released:
             try:
                 xfer.release()
@@ -200,7 +214,23 @@ class NixlTransport(ZmqPullTransport):
                 logger.error("kv-nixl: a READ from %s is still not released: %s", remote, exc)
 
     def close(self) -> None:
-        super().close()   # joins the pull thread first: it alone calls the agent
-        for endpoint in list(self._remote):
-            self._forget(endpoint)
+        super().close()   # joins the pull threads first
+        with self._remote_lock:
+            for endpoint in list(self._remote):
+                self._forget(endpoint)
         self.agent.deregister_memory(self.reg)
+
+
+def _check_offer(reply: NixlPullReply, frames: list, dst: np.ndarray, block_nbytes: int) -> None:
+    """Raises BadReply unless the offer is exactly dst's count of blocks of our size."""
+    if frames:
+        raise BadReply(f"the context worker's reply came with {len(frames)} unexpected frames")
+    if reply.block_bytes != block_nbytes or len(reply.block_ids) != len(dst):
+        raise BadReply(f"the context worker offered {len(reply.block_ids)} KV blocks of "
+                       f"{reply.block_bytes} bytes, expected {len(dst)} of {block_nbytes}")
+    if len(dst) and (not reply.agent_name or not reply.agent_metadata or reply.base_addr <= 0
+                     or min(reply.block_ids) < 0 or max(reply.block_ids) >= 1 << 40):
+        raise BadReply("the context worker's offer names no agent, no address, or block ids "
+                       "out of range")
+    if len(reply.agent_metadata) > MAX_AGENT_METADATA_BYTES:
+        raise BadReply(f"the context worker's agent metadata is {len(reply.agent_metadata)} bytes")

@@ -2,8 +2,9 @@
 
 CTX: the reply to a PullRequest is followed by one frame per block, each a zero-copy view of
 the cache (the blocks are leased, so nothing writes them until GEN's PullAck releases the
-lease). GEN: copies each frame into its own blocks. The conversation itself is
-kv.zmq_pull's.
+lease). GEN: checks that the offer is exactly its blocks (count, and each frame exactly one
+block's bytes; its socket refuses larger frames) and only then copies each frame into its
+own blocks. The conversation itself is kv.zmq_pull's.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import msgspec
 import numpy as np
 
 from splitserve.kv.base import register
-from splitserve.kv.messages import TcpPullReply
+from splitserve.kv.messages import MAX_REPLY_BYTES, TcpPullReply
+from splitserve.kv.sockets import BadReply
 from splitserve.kv.zmq_pull import ZmqPullTransport
 from splitserve.protocol.engine import KVHandle
 
@@ -21,17 +23,23 @@ from splitserve.protocol.engine import KVHandle
 class TcpTransport(ZmqPullTransport):
     reply_type = TcpPullReply
 
-    def _offer(self, blocks: np.ndarray) -> list:
+    def _offer(self, ctx_request_id: str, blocks: np.ndarray) -> list:
         frames = [memoryview(self.block_bytes(b).numpy()) for b in blocks.tolist()]
-        return [msgspec.msgpack.encode(TcpPullReply(num_blocks=len(blocks))), *frames]
+        reply = TcpPullReply(ctx_request_id=ctx_request_id, num_blocks=len(blocks))
+        return [msgspec.msgpack.encode(reply), *frames]
+
+    def _max_frame(self) -> int:
+        return max(self.block_nbytes, MAX_REPLY_BYTES)
 
     def _receive(self, handle: KVHandle, reply: TcpPullReply, frames: list, dst: np.ndarray,
                  deadline: float) -> int:
-        if len(frames) != len(dst):
-            raise RuntimeError(f"expected {len(dst)} KV blocks, received {len(frames)}")
-        nbytes = 0
+        if reply.num_blocks != len(dst) or len(frames) != len(dst):
+            raise BadReply(f"the context worker offered {reply.num_blocks} KV blocks in "
+                           f"{len(frames)} frames, expected {len(dst)}")
+        size = self.block_nbytes
+        for i, frame in enumerate(frames):
+            if len(frame) != size:
+                raise BadReply(f"KV block frame {i} holds {len(frame)} bytes, expected {size}")
         for block, frame in zip(dst.tolist(), frames):
-            src = np.frombuffer(frame.buffer, dtype=np.uint8)
-            self.block_bytes(block).numpy()[:] = src   # one memcpy per block
-            nbytes += src.size
-        return nbytes
+            self.block_bytes(block).numpy()[:] = np.frombuffer(frame.buffer, dtype=np.uint8)
+        return len(dst) * size

@@ -2,16 +2,17 @@
 the bytes move.
 
 CTX: a ROUTER socket answers each PullRequest (after kv.base.check_pull) with the reply a
-subclass's `_offer` builds, and releases a lease on its PullAck. GEN: one thread runs pulls
-one after another over one DEALER socket per CTX endpoint: request, reply, the subclass's
-`_receive` puts the bytes into local blocks, ack.
+subclass's `_offer` builds, and releases a lease on its PullAck; whatever else arrives is
+dropped with a warning. GEN: kv.pull_pool runs the pulls, one at a time per CTX endpoint and
+side by side across CTXs; each is request, reply, checks, the subclass's `_receive` puts the
+bytes into local blocks, ack. A reply is checked whole before a byte is copied: a wrong one
+fails its pull and writes nothing.
 """
 
 from __future__ import annotations
 
 import abc
 import logging
-import queue
 import threading
 import time
 from typing import Callable
@@ -22,123 +23,143 @@ import torch
 import zmq
 
 from splitserve.kv.base import KVTransport, LeaseView, PullResult, check_pull
-from splitserve.kv.messages import PullAck, PullRequest
+from splitserve.kv.messages import MAX_REQUEST_BYTES, PullAck, PullRequest
+from splitserve.kv.pull_pool import Job, PullPool
+from splitserve.kv.sockets import (BadReply, Peer, PullRefused, Throttled, close_monitored,
+                                   monitor_events, server_socket)
 from splitserve.protocol.engine import KVHandle
 
 logger = logging.getLogger(__name__)
 
+MAX_ERROR_CHARS = 500   # of a CTX's error text passed on to the request
+
 
 class ZmqPullTransport(KVTransport):
-    """Owns a ZeroMQ context, a serving thread and a pulling thread; `close` joins both, then
-    fails the pulls still queued so every pull gets its done() call."""
+    """Owns a ZeroMQ context, a serving thread and the pull pool's threads; `close` joins
+    them and fails the pulls still queued, so every pull gets its done() call."""
 
-    reply_type: type[msgspec.Struct]   # the backend's reply; has `error: str | None = None`
+    reply_type: type[msgspec.Struct]   # the backend's reply: ctx_request_id, error, ...
 
     def __init__(self, kv_cache: torch.Tensor, layout: str, host: str = "127.0.0.1",
-                 port: int = 0, timeout: float = 30.0):
+                 port: int = 0, timeout: float = 30.0, connect_timeout: float = 5.0,
+                 idle_seconds: float = 60.0, pull_threads: int = 8):
         super().__init__(kv_cache, layout)
         self.host, self.port, self.timeout = host, port, timeout
+        self.connect_timeout = connect_timeout
         self.ctx = zmq.Context()
-        self.jobs: queue.Queue = queue.Queue()
         self.endpoint = ""
         self._stop = threading.Event()
+        self._warn = Throttled()
+        self.pool = PullPool(self.name, pull_threads, idle_seconds, self._open_peer, self._pull_one)
         self._threads: list[threading.Thread] = []
 
     @abc.abstractmethod
-    def _offer(self, blocks: np.ndarray) -> list:
+    def _offer(self, ctx_request_id: str, blocks: np.ndarray) -> list:
         """CTX: the reply frames that hand these leased blocks to the GEN."""
 
     @abc.abstractmethod
     def _receive(self, handle: KVHandle, reply, frames: list, dst: np.ndarray,
                  deadline: float) -> int:
-        """GEN: copy the offered blocks into dst (frames: those after the reply); returns
-        the bytes copied."""
+        """GEN: check the offer (frames: those after the reply; raise BadReply before
+        writing anything if it does not fit dst), copy it into dst, return the bytes."""
+
+    @abc.abstractmethod
+    def _max_frame(self) -> int:
+        """GEN: the largest frame a CTX's answer may hold (ZMQ_MAXMSGSIZE of its socket)."""
 
     # -- CTX side -------------------------------------------------------------------------
     def start(self, leases: LeaseView) -> str:
-        sock = self.ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
-        if self.port:
-            sock.bind(f"tcp://{self.host}:{self.port}")
-            port = self.port
-        else:
-            port = sock.bind_to_random_port(f"tcp://{self.host}")
-        self.endpoint = f"tcp://{self.host}:{port}"
-        self._threads = [
-            threading.Thread(target=self._serve, args=(sock, leases), daemon=True,
-                             name=f"kv-{self.name}-serve"),
-            threading.Thread(target=self._pull_loop, daemon=True, name=f"kv-{self.name}-pull")]
-        for t in self._threads:
-            t.start()
+        sock, self.endpoint, monitor = server_socket(self.ctx, self.host, self.port)
+        serve = threading.Thread(target=self._serve, args=(sock, monitor, leases), daemon=True,
+                                 name=f"kv-{self.name}-serve")
+        self._threads = [serve, *self.pool.threads]
+        serve.start()
+        self.pool.start()
         return self.endpoint
 
-    def _serve(self, sock: zmq.Socket, leases: LeaseView) -> None:
+    def _serve(self, sock: zmq.Socket, monitor: zmq.Socket, leases: LeaseView) -> None:
         decoder = msgspec.msgpack.Decoder(PullRequest | PullAck)
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                if not sock.poll(200):
-                    continue
-                ident, payload = sock.recv_multipart()
                 try:
-                    msg = decoder.decode(payload)
-                except msgspec.DecodeError:
-                    logger.warning("kv-%s: dropped an undecodable message", self.name)
-                    continue
-                if isinstance(msg, PullAck):
-                    leases.release(msg.ctx_request_id)
-                    continue
-                sock.send_multipart([ident, *self._answer(msg, leases)], copy=False)
+                    ready = dict(poller.poll(200))
+                    if monitor in ready:
+                        for event in monitor_events(monitor):
+                            self._warn.warning("handshake", "kv-%s: dropped a connection that "
+                                               "failed the ZeroMQ handshake (%s)", self.name,
+                                               zmq.Event(event).name)
+                    if sock in ready:
+                        self._handle(sock, sock.recv_multipart(copy=False), decoder, leases)
+                except zmq.ContextTerminated:
+                    return
+                except Exception:   # one message's failure; the server goes on answering
+                    logger.exception("kv-%s: failed to handle a message", self.name)
         finally:
-            sock.close(linger=0)
+            close_monitored(sock, monitor)
+
+    def _handle(self, sock: zmq.Socket, frames: list, decoder, leases: LeaseView) -> None:
+        # A DEALER's message arrives as [identity, payload]; a REQ adds an empty frame, and a
+        # raw TCP peer's bytes read as ZeroMQ 1.0 frames of any number and content.
+        if len(frames) != 2:
+            self._warn.warning("frames", "kv-%s: dropped a message of %d frames (KV clients "
+                               "send one)", self.name, len(frames) - 1)
+            return
+        ident, payload = frames
+        try:
+            msg = decoder.decode(payload.buffer)
+        except msgspec.DecodeError:
+            self._warn.warning("decode", "kv-%s: dropped an undecodable message of %d bytes",
+                               self.name, len(payload))
+            return
+        if isinstance(msg, PullAck):
+            leases.release(msg.ctx_request_id)
+            return
+        sock.send_multipart([ident, *self._answer(msg, leases)], copy=False)
 
     def _answer(self, msg: PullRequest, leases: LeaseView) -> list:
         error, blocks = check_pull(leases, self.layout, msg.ctx_request_id, msg.layout,
                                    msg.num_blocks)
         if error is not None:
-            return [msgspec.msgpack.encode(self.reply_type(error=error))]
-        return self._offer(blocks)
+            return [msgspec.msgpack.encode(self.reply_type(ctx_request_id=msg.ctx_request_id,
+                                                           error=error))]
+        return self._offer(msg.ctx_request_id, blocks)
 
     # -- GEN side -------------------------------------------------------------------------
     def pull(self, handle: KVHandle, dst_blocks: np.ndarray,
              done: Callable[[PullResult], None]) -> None:
-        self.jobs.put((handle, dst_blocks, done))
+        self.pool.submit(Job(handle, dst_blocks, done))
 
-    def _pull_loop(self) -> None:
-        socks: dict[str, zmq.Socket] = {}
-        while not self._stop.is_set():
-            try:
-                handle, dst, done = self.jobs.get(timeout=0.2)
-            except queue.Empty:
-                continue
-            t0 = time.perf_counter()
-            try:
-                nbytes = self._pull_one(socks, handle, dst, t0 + self.timeout)
-                result = PullResult(True, nbytes=nbytes, seconds=time.perf_counter() - t0)
-            except Exception as exc:   # any failure ends this request, never the thread
-                result = PullResult(False, error=str(exc), seconds=time.perf_counter() - t0)
-            done(result)
-        for sock in socks.values():
-            sock.close(linger=0)
+    def _open_peer(self, endpoint: str) -> Peer:
+        return Peer(self.ctx, endpoint, self._max_frame(), self.timeout, self.connect_timeout)
 
-    def _pull_one(self, socks: dict, handle: KVHandle, dst: np.ndarray, deadline: float) -> int:
-        sock = socks.get(handle.endpoint)
-        if sock is None:
-            sock = socks[handle.endpoint] = self.ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(handle.endpoint)
-        sock.send(msgspec.msgpack.encode(PullRequest(handle.ctx_request_id, self.layout, len(dst))))
-        if not sock.poll(max(0, int((deadline - time.perf_counter()) * 1000))):
-            sock.close()   # a late reply must not be read as the answer to the next pull
-            del socks[handle.endpoint]
-            raise TimeoutError(f"context worker KV server {handle.endpoint} did not answer "
-                               f"within {self.timeout:.0f} s")
-        frames = sock.recv_multipart(copy=False)
-        reply = msgspec.msgpack.decode(frames[0].buffer, type=self.reply_type)
-        if reply.error is not None:
-            raise RuntimeError(reply.error)
+    def _pull_one(self, peer: Peer, handle: KVHandle, dst: np.ndarray) -> int:
+        deadline = time.monotonic() + self.timeout
+        request = msgspec.msgpack.encode(PullRequest(handle.ctx_request_id, self.layout, len(dst)))
+        if len(request) > MAX_REQUEST_BYTES:
+            raise PullRefused(f"ctx_request_id is too long ({len(handle.ctx_request_id)} chars)")
+        frames = peer.request(request, deadline, self.pool.stop)
+        reply = self._read_reply(handle, frames)
         nbytes = self._receive(handle, reply, frames[1:], dst, deadline)
-        sock.send(msgspec.msgpack.encode(PullAck(handle.ctx_request_id)))
+        peer.send(msgspec.msgpack.encode(PullAck(handle.ctx_request_id)))
         return nbytes
+
+    def _read_reply(self, handle: KVHandle, frames: list):
+        try:
+            reply = msgspec.msgpack.decode(frames[0].buffer, type=self.reply_type)
+        except msgspec.DecodeError as exc:
+            raise BadReply(f"the context worker sent a malformed reply ({exc})") from None
+        if reply.ctx_request_id != handle.ctx_request_id:
+            raise BadReply(f"the context worker answered for {reply.ctx_request_id[:100]!r}, "
+                           f"not {handle.ctx_request_id!r}")
+        if reply.error is not None:
+            if len(frames) != 1:
+                raise BadReply(f"the context worker's error reply came with {len(frames) - 1} "
+                               f"more frames")
+            raise PullRefused(reply.error[:MAX_ERROR_CHARS])
+        return reply
 
     def health(self) -> str | None:
         dead = [t.name for t in self._threads if not t.is_alive()]
@@ -146,8 +167,7 @@ class ZmqPullTransport(KVTransport):
 
     def close(self) -> None:
         self._stop.set()
-        for t in self._threads:
+        self.pool.close()
+        for t in self._threads[:1]:
             t.join(timeout=5)
-        while not self.jobs.empty():   # every pull gets its done() call, even at shutdown
-            self.jobs.get()[2](PullResult(False, error="the KV transport was closed"))
         self.ctx.destroy(linger=0)
