@@ -25,6 +25,9 @@ class Logprob(msgspec.Struct, array_like=True, gc=False):
     top: list[tuple[int, float]]
 
 
+_MAX_HANDLE_STR = 1024
+
+
 class KVHandle(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     """Where a GEN worker pulls a context request's KV from."""
     backend: str                 # "tcp" | "nixl"
@@ -35,9 +38,12 @@ class KVHandle(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     agent_metadata: bytes = b""  # backend extra (nixl agent metadata)
 
     def __post_init__(self):
-        _check(self.num_tokens >= 0, "kv_handle.num_tokens must be non-negative")
+        _check(0 <= self.num_tokens < 2**31, "kv_handle.num_tokens must be between 0 and 2^31-1")
         _check(bool(self.endpoint) and bool(self.ctx_request_id),
                "kv_handle needs an endpoint and a ctx_request_id")
+        _check(max(len(self.endpoint), len(self.ctx_request_id), len(self.layout),
+                   len(self.backend)) <= _MAX_HANDLE_STR,
+               f"kv_handle's strings must be at most {_MAX_HANDLE_STR} characters long")
 
 
 class RemotePrefill(msgspec.Struct, omit_defaults=True, gc=False):

@@ -14,10 +14,8 @@ import msgspec
 
 from splitserve.errors import InvalidRequestError
 from splitserve.protocol.disagg import DisaggregatedParams
-from splitserve.sampling_params import SamplingParams
+from splitserve.sampling_params import INT32_MAX, MAX_N, MAX_STOP, SamplingParams
 
-MAX_N = 128
-MAX_STOP = 16
 MAX_TOP_LOGPROBS = 20
 
 
@@ -245,7 +243,7 @@ def _join(path: str, param: str | None) -> str | None:
 
 def _check_prompt(prompt) -> None:
     """A string, or a list of strings, token ids or token-id lists (not a mix), none empty.
-    Token id ranges are the engine's check: it knows the vocabulary."""
+    Ids must be int32 here; whether they are in the vocabulary is the engine's check."""
     _check(len(prompt) > 0, "prompt must not be empty", "prompt")
     if isinstance(prompt, str):
         return
@@ -256,6 +254,9 @@ def _check_prompt(prompt) -> None:
                                   "ids or a list of token-id lists, not a mix", "prompt") from None
     _check(not isinstance(prompt[0], (str, list)) or all(prompt),
            "prompt must not contain an empty string or token-id list", "prompt")
+    for ids in [prompt] if isinstance(prompt[0], int) else prompt:
+        _check(isinstance(ids, str) or (0 <= min(ids) and max(ids) <= INT32_MAX),
+               f"prompt token ids must be between 0 and {INT32_MAX}", "prompt")
 
 
 _PROMPT_LIST_TYPES = {str: list[str], int: list[int], list: list[list[int]]}
@@ -264,20 +265,16 @@ _PROMPT_LIST_TYPES = {str: list[str], int: list[int], list: list[list[int]]}
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     if not bias:
         return None
-    try:
-        return {int(k): v for k, v in bias.items()}
-    except ValueError:
-        bad = next(k for k in bias if not _is_int(k))
-        raise InvalidRequestError(f"logit_bias keys must be token ids, got {bad!r}",
-                                  "logit_bias") from None
+    out = {}
+    for key, value in bias.items():
+        # Token ids are short decimal numbers: int() of a long digit string is quadratic.
+        _check(_TOKEN_ID_KEY.fullmatch(key) is not None,
+               f"logit_bias keys must be token ids, got {key[:20]!r}", "logit_bias")
+        out[int(key)] = value
+    return out
 
 
-def _is_int(text: str) -> bool:
-    try:
-        int(text)
-        return True
-    except ValueError:
-        return False
+_TOKEN_ID_KEY = re.compile(r"\s*[+-]?\d{1,10}\s*", re.ASCII)
 
 
 def _check(ok: bool, message: str, param: str) -> None:
