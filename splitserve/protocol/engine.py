@@ -132,6 +132,44 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
 EngineInput = AddRequests | AbortRequests | Shutdown
 
 
+class NamedRequest(msgspec.Struct, gc=False):
+    """The fields of an AddRequest that say which request it is and how many prompt bytes
+    follow: what can still be read of one that fails to decode."""
+    request_id: str
+    prompt_len: int = 0
+    placeholder: bool = False
+
+
+class _RawRequests(msgspec.Struct, tag="add"):
+    requests: list[msgspec.Raw]
+
+
+_raw_requests = msgspec.msgpack.Decoder(_RawRequests)
+_add_request = msgspec.msgpack.Decoder(AddRequest)
+_named_request = msgspec.msgpack.Decoder(NamedRequest)
+
+
+def decode_leniently(header: bytes | memoryview) -> list[tuple[NamedRequest, AddRequest | None]]:
+    """An AddRequests message that failed to decode, read one request at a time: each that
+    decodes, and the name of each that does not (None in its place). Requests that do not
+    even name themselves are left out. [] if it is no AddRequests at all."""
+    try:
+        raws = _raw_requests.decode(header).requests
+    except msgspec.DecodeError:
+        return []
+    out = []
+    for raw in raws:
+        try:
+            named = _named_request.decode(raw)
+        except msgspec.DecodeError:
+            continue
+        try:
+            out.append((named, _add_request.decode(raw)))
+        except msgspec.DecodeError:
+            out.append((named, None))
+    return out
+
+
 # -- engine core -> front-end ----------------------------------------------------------------
 class EngineStats(msgspec.Struct, array_like=True, gc=False):
     num_running: int
