@@ -154,6 +154,9 @@ BAD_CHATS = [
     ({"messages": USER, "temperature": -1}, "temperature"),
     ({"messages": USER, "chat_template_kwargs": []}, "chat_template_kwargs"),
     ({"messages": USER, "max_completion_tokens": 2**64}, "max_completion_tokens"),
+    ({"messages": USER, "chat_template_kwargs": {"add_generation_prompt": [1]}},
+     "chat_template_kwargs"),
+    ({"messages": USER, "chat_template_kwargs": {"messages": 5}}, "chat_template_kwargs"),
     ({"messages": USER, "seed": -2**64}, "seed"),
     ({"messages": USER, "logprobs": True, "top_logprobs": 2**70}, "top_logprobs"),
 ]

@@ -159,6 +159,9 @@ class ChatCompletionRequest(_BaseRequest, kw_only=True, omit_defaults=True):
                f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}", "top_logprobs")
         _check(bool(self.logprobs) or not self.top_logprobs,
                "top_logprobs requires logprobs to be true", "top_logprobs")
+        reserved = sorted(_RESERVED_TEMPLATE_KWARGS.intersection(self.chat_template_kwargs or ()))
+        _check(not reserved, f"chat_template_kwargs must not set {', '.join(reserved)} (the "
+               f"request's own fields set what the template reads)", "chat_template_kwargs")
 
     def conversation(self) -> list[dict]:
         return [m.to_dict() for m in self.messages]
@@ -175,6 +178,9 @@ class ChatCompletionRequest(_BaseRequest, kw_only=True, omit_defaults=True):
                 exc.param = "max_completion_tokens"
             raise
 
+
+# Names the chat template call takes itself: passed again as keywords they would collide.
+_RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "self", "source"})
 
 KNOWN_COMPLETION_FIELDS = frozenset(CompletionRequest.__struct_fields__)
 KNOWN_CHAT_FIELDS = frozenset(ChatCompletionRequest.__struct_fields__)
