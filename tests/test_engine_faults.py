@@ -171,6 +171,20 @@ def test_seeds_at_the_ends_of_int64_serve_n_siblings(engine):
         assert err.value.param == "seed"
 
 
+def test_the_input_handler_answers_a_request_it_cannot_admit(engine):
+    """Whatever add_request raises for one request (here: params that are no
+    SamplingParams) becomes that request's error; the step loop goes on."""
+    deltas: list[CompletionDelta] = []
+    bad = AddRequest("bad", None, 9)
+    process._handle(engine, (bad, memoryview(prompt(2).array).cast("B"), time.time()), deltas)
+    process._handle(engine, (AddRequest("good", GREEDY, 9),
+                             memoryview(prompt(1).array).cast("B"), time.time()), deltas)
+    assert [(d.request_id, d.index, d.finish_reason) for d in deltas] == [
+        ("bad", -1, FinishReason.ERROR)]
+    assert "could not admit" in deltas[0].error
+    assert tokens(drain(engine)[("good", 0)]) == clean_run(engine)
+
+
 # -- the engine process's I/O threads --------------------------------------------------------
 @pytest.fixture
 def zmq_pair(tmp_path):

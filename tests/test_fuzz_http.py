@@ -34,15 +34,17 @@ FLOATS = st.one_of(
     st.floats(allow_nan=False, allow_infinity=False))
 TEXT = st.one_of(st.text(max_size=20), st.sampled_from(["", " ", "a" * 5000, "\0", "😀" * 300,
                                                         "<|im_end|>", "{{ x }}", "{% for %}"]))
-JSON = st.recursive(st.none() | st.booleans() | INTS | FLOATS | TEXT,
-                    lambda kids: st.lists(kids, max_size=4) | st.dictionaries(TEXT, kids, max_size=4),
-                    max_leaves=10)
+JSON = st.recursive(
+    st.none() | st.booleans() | INTS | FLOATS | TEXT,
+    lambda kids: st.lists(kids, max_size=4) | st.dictionaries(TEXT, kids, max_size=4),
+    max_leaves=10)
 NESTING = st.sampled_from([2, 64, 253, 254, 255, 256, 400, 900])   # orjson writes 254, reads 1024
 # Spliced into the JSON text as they are: numbers and escapes no JSON encoder writes.
 RAW_LITERALS = ["1e999", "-1e999", "NaN", "Infinity", "-0", "1E400", "0.0e-99999",
                 "123456789012345678901234567890123456789", '"\\ud800"', '"\\udfff x"', "[" * 3000,
                 "[" * 200 + "]" * 200, "{" * 300, '"' + "x" * 100_000 + '"']
 RAW = "__RAW_LITERAL__"
+RELAY_MODES = ["list", "b64", "metadata", "auto"]
 
 VOCAB_IDS = st.lists(st.integers(0, 49151), min_size=1, max_size=6)
 TOKEN_IDS = st.lists(st.one_of(st.integers(0, 49151), EXTREME_INTS), max_size=6)
@@ -61,16 +63,17 @@ COMMON = {
     "logit_bias": st.dictionaries(st.integers(0, 49151).map(str), st.floats(-100, 100),
                                   max_size=3),
     "seed": st.integers(-2**63, 2**63 - 1), "user": WORDS, "top_k": st.integers(-1, 100),
-    "min_p": st.floats(0, 1), "repetition_penalty": st.floats(0.5, 2), "min_tokens": st.integers(0, 1),
-    "ignore_eos": st.booleans(), "stop_token_ids": VOCAB_IDS,
+    "min_p": st.floats(0, 1), "repetition_penalty": st.floats(0.5, 2),
+    "min_tokens": st.integers(0, 1), "ignore_eos": st.booleans(), "stop_token_ids": VOCAB_IDS,
     "include_stop_str_in_output": st.booleans(), "skip_special_tokens": st.booleans(),
-    "prompt_logprobs": st.integers(0, 3), "token_relay": st.sampled_from(["list", "b64", "metadata", "auto"]),
-    "disaggregated_params": st.fixed_dictionaries({
-        "request_type": st.just("context_only"), "token_relay": st.sampled_from(["list", "b64", "metadata"])}),
+    "prompt_logprobs": st.integers(0, 3), "token_relay": st.sampled_from(RELAY_MODES),
+    "disaggregated_params": st.fixed_dictionaries({   # a worker serves it; the orchestrator: 400
+        "request_type": st.just("context_only"), "token_relay": st.sampled_from(RELAY_MODES)}),
 }
 FIELDS = {
-    COMPLETIONS: {**COMMON, "prompt": st.one_of(WORDS, VOCAB_IDS, st.lists(WORDS, min_size=1, max_size=2)),
-                  "max_tokens": st.integers(1, 4), "logprobs": st.integers(0, 5), "echo": st.booleans()},
+    COMPLETIONS: {**COMMON, "max_tokens": st.integers(1, 4), "logprobs": st.integers(0, 5),
+                  "echo": st.booleans(),
+                  "prompt": st.one_of(WORDS, VOCAB_IDS, st.lists(WORDS, min_size=1, max_size=2))},
     CHAT: {**COMMON, "messages": st.lists(MESSAGE, min_size=1, max_size=3),
            "max_tokens": st.integers(1, 4), "max_completion_tokens": st.integers(1, 4),
            "logprobs": st.booleans(), "top_logprobs": st.integers(0, 5),
@@ -82,9 +85,9 @@ FIELDS = {
 # Every other field name either endpoint knows, and some nobody does: for odd values.
 OTHER_FIELDS = ["suffix", "best_of", "echo", "max_completion_tokens", "messages", "prompt",
                 "top_logprobs", "chat_template_kwargs", "x", ""]
-ODD = st.one_of(JSON, EXTREME_INTS, FLOATS, TEXT, st.just(RAW),
+ODD = st.one_of(JSON, EXTREME_INTS, FLOATS, TEXT, st.just(RAW), TOKEN_IDS,
                 NESTING.map(lambda d: json.loads("[" * d + "]" * d)),
-                TOKEN_IDS, st.lists(MESSAGE, max_size=2), st.dictionaries(TEXT, EXTREME_INTS, max_size=3))
+                st.lists(MESSAGE, max_size=2), st.dictionaries(TEXT, EXTREME_INTS, max_size=3))
 
 
 @st.composite
@@ -99,17 +102,18 @@ def json_bodies(draw, path: str) -> bytes:
         body[name] = draw(ODD)
     text = json.dumps(body)
     if RAW in text:
-        text = text.replace(f'"{RAW}"', draw(st.sampled_from(RAW_LITERALS)), 1).replace(f'"{RAW}"', "0")
+        text = text.replace(f'"{RAW}"', draw(st.sampled_from(RAW_LITERALS)), 1)
+        text = text.replace(f'"{RAW}"', "0")
     return text.encode()
 
 
 def bodies(path: str) -> st.SearchStrategy[bytes]:
-    valid_json = json_bodies(path)
+    requests = json_bodies(path)
     return st.one_of(
-        valid_json, valid_json, valid_json, valid_json, valid_json,
+        requests, requests, requests, requests, requests,           # most reach the engine
         JSON.map(lambda v: json.dumps(v).encode()),                 # any JSON value at all
-        st.binary(max_size=200),                                   # not JSON
-        st.tuples(valid_json, st.floats(0, 1)).map(lambda t: t[0][:int(len(t[0]) * t[1])]),
+        st.binary(max_size=200),                                    # not JSON
+        st.tuples(requests, st.floats(0, 1)).map(lambda t: t[0][:int(len(t[0]) * t[1])]),
         st.sampled_from(RAW_LITERALS).map(str.encode),
     )
 

@@ -113,6 +113,8 @@ BAD_COMPLETIONS = [
     ({"prompt": [2**31]}, "prompt"),
     ({"prompt": [[1], [-1]]}, "prompt"),
     ({"prompt": [2**64]}, "prompt"),
+    ({"prompt": ["a"] * 129}, "prompt"),
+    ({"prompt": [[1]] * 129}, "prompt"),
     ({"prompt": "x", "temperature": 1e308}, "temperature"),
     ({"prompt": "x", "top_p": -1e308}, "top_p"),
     ({"prompt": "x", "disaggregated_params": {"prompt_len": 2**31}},

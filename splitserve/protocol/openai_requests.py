@@ -17,6 +17,7 @@ from splitserve.protocol.disagg import DisaggregatedParams
 from splitserve.sampling_params import INT32_MAX, MAX_N, MAX_STOP, SamplingParams
 
 MAX_TOP_LOGPROBS = 20
+MAX_PROMPTS = 128          # prompts in one completions batch (each runs n sequences)
 
 
 class StreamOptions(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -260,6 +261,8 @@ def _check_prompt(prompt) -> None:
                                   "ids or a list of token-id lists, not a mix", "prompt") from None
     _check(not isinstance(prompt[0], (str, list)) or all(prompt),
            "prompt must not contain an empty string or token-id list", "prompt")
+    _check(not isinstance(prompt[0], (str, list)) or len(prompt) <= MAX_PROMPTS,
+           f"a batch holds at most {MAX_PROMPTS} prompts", "prompt")
     for ids in [prompt] if isinstance(prompt[0], int) else prompt:
         _check(isinstance(ids, str) or (0 <= min(ids) and max(ids) <= INT32_MAX),
                f"prompt token ids must be between 0 and {INT32_MAX}", "prompt")
