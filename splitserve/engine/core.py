@@ -117,10 +117,7 @@ class EngineCore:
     def _discard_group(self, request_id: str) -> None:
         """Forget a group that never fully entered the engine, freeing whatever it took."""
         for req in self.groups.pop(request_id, ()):
-            self.final_only.pop(id(req), None)
-            self.detokenizers.pop(id(req), None)
-            req.status = RequestStatus.FINISHED_ERROR
-            self.scheduler.remove(req)
+            self._forget(req)
 
     def _validate(self, prompt: PromptTokens, params: SamplingParams) -> None:
         n = len(prompt)
@@ -275,18 +272,22 @@ class EngineCore:
 
     def _drop(self, req: Request, out: list[CompletionDelta], error: str) -> None:
         for r in (req, *req.siblings):
-            r.status = RequestStatus.FINISHED_ERROR
-            self.final_only.pop(id(r), None)
-            self.detokenizers.pop(id(r), None)
-            try:
-                self.scheduler.remove(r)
-            except Exception:
-                logger.exception("engine: request %s's blocks could not be freed", r.request_id)
+            self._forget(r)
             out.append(CompletionDelta(r.group_id, r.index, [], "", error=error,
                                        finish_reason=int(FinishReason.ERROR)))
         req.siblings = []
         if all(r.is_finished for r in self.groups.get(req.group_id, ())):
             self.groups.pop(req.group_id, None)
+
+    def _forget(self, req: Request) -> None:
+        """Take req out of every structure and free its blocks, without finishing it."""
+        req.status = RequestStatus.FINISHED_ERROR
+        self.final_only.pop(id(req), None)
+        self.detokenizers.pop(id(req), None)
+        try:
+            self.scheduler.remove(req)
+        except Exception:
+            logger.exception("engine: request %s's blocks could not be freed", req.request_id)
 
     def _fork_siblings(self, leader: Request, out: list[CompletionDelta]) -> list[Request]:
         """n > 1: siblings share the leader's prompt blocks and sample from its logits."""
