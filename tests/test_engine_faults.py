@@ -235,17 +235,18 @@ def test_an_input_that_fails_to_decode_answers_each_request_it_names(zmq_pair, e
     threading.Thread(target=process._recv_loop, args=(ctx, addr, in_q), daemon=True).start()
     good = AddRequest("good", GREEDY, 9)
     garbled = {"request_id": "bad", "params": {"temperature": "hot"}, "prompt_len": 2}
+    refused = {"request_id": "refused", "params": {"seed": 2**64 - 1}, "prompt_len": 1}
     header = msgspec.msgpack.encode({"type": "add", "requests": [
-        msgspec.to_builtins(good), garbled, {"no": "id"}]})
+        msgspec.to_builtins(good), garbled, {"no": "id"}, refused]})
     push.send(b"\x01\x00")                                  # not even a header
-    push.send(pack_input(header, [prompt(1).array.tobytes(), b"\0" * 8]))
-    items = [in_q.get(timeout=30), in_q.get(timeout=30)]
+    push.send(pack_input(header, [prompt(1).array.tobytes(), b"\0" * 8, b"\0" * 4]))
+    items = [in_q.get(timeout=30) for _ in range(3)]
     deltas: list[CompletionDelta] = []
     for item in items:
         process._handle(engine, item, deltas)
-    assert [(d.request_id, d.index, d.finish_reason) for d in deltas] == [
-        ("bad", -1, FinishReason.ERROR)]
-    assert "could not read" in deltas[0].error
+    assert [(d.request_id, d.finish_reason, d.error_param) for d in deltas] == [
+        ("bad", FinishReason.ERROR, None), ("refused", FinishReason.ERROR, "seed")]
+    assert deltas[0].index == -1 and "could not read" in deltas[0].error
     got = drain(engine)   # the request that decoded alone is served
     assert got[("good", 0)][-1].finish_reason == FinishReason.LENGTH
     assert tokens(got[("good", 0)]) == clean_run(engine)

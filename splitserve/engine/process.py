@@ -23,8 +23,9 @@ from splitserve.config import EngineConfig
 from splitserve.engine.core import EngineCore
 from splitserve.errors import InvalidRequestError
 from splitserve.protocol.engine import (
-    AbortRequests, AddRequests, CompletionDelta, EngineDead, EngineInput, EngineOutputs,
-    EngineReady, EngineStats, Shutdown, decode_leniently, split_prompts, unpack_input)
+    AbortRequests, AddRequest, AddRequests, CompletionDelta, EngineDead, EngineInput,
+    EngineOutputs, EngineReady, EngineStats, Shutdown, decode_leniently, split_prompts,
+    unpack_input)
 from splitserve.engine.request import FinishReason
 from splitserve.tokens import PromptTokens
 
@@ -105,10 +106,18 @@ def _step_loop(engine: EngineCore, in_q: queue.Queue, out_q: queue.Queue, parent
 
 
 class _Unreadable:
-    """An input request that failed to decode: only its id is known."""
+    """An input request that failed to decode: its id and why."""
 
-    def __init__(self, request_id: str):
-        self.request_id = request_id
+    def __init__(self, request_id: str, error: msgspec.DecodeError):
+        self.request_id, self.error = request_id, error
+
+    def delta(self) -> CompletionDelta:
+        """A 400 if its parameters failed validation (SamplingParams checks them again on
+        decoding), else a server error."""
+        cause = self.error.__cause__
+        if isinstance(cause, InvalidRequestError):
+            return _rejected(self.request_id, cause)
+        return _internal_error(self.request_id, "could not read the request")
 
 
 def _handle(engine: EngineCore, item, deltas: list[CompletionDelta]) -> None:
@@ -117,7 +126,7 @@ def _handle(engine: EngineCore, item, deltas: list[CompletionDelta]) -> None:
             for rid in item.request_ids:
                 engine.abort_request(rid)
         elif isinstance(item, _Unreadable):
-            deltas.append(_internal_error(item.request_id, "could not read the request"))
+            deltas.append(item.delta())
         else:
             _add(engine, *item, deltas)
     except Exception:   # one message must not end the step loop
@@ -141,8 +150,13 @@ def _add(engine: EngineCore, msg, frame, received: float, deltas: list[Completio
         engine.add_request(msg.request_id, prompt, msg.params, context_only=msg.context_only,
                            remote=msg.remote, received_time=received, stream=msg.stream)
     except InvalidRequestError as exc:
-        deltas.append(CompletionDelta(msg.request_id, 0, [], "", finish_reason=int(FinishReason.ERROR),
-                                      error=exc.message, error_param=exc.param or ""))
+        deltas.append(_rejected(msg.request_id, exc))
+
+
+def _rejected(request_id: str, exc: InvalidRequestError) -> CompletionDelta:
+    """Ends a request the engine refused (error_param set: the client's 400)."""
+    return CompletionDelta(request_id, 0, [], "", finish_reason=int(FinishReason.ERROR),
+                           error=exc.message, error_param=exc.param or "")
 
 
 def _internal_error(request_id: str, what: str, index: int = -1) -> CompletionDelta:
@@ -193,12 +207,15 @@ def _receive_leniently(header: memoryview, prompts: memoryview, received: float,
     """A message that failed to decode: admit the requests in it that decode alone, and
     answer each of the others that names itself with an error, so none waits forever."""
     requests = decode_leniently(header)
-    bad = [named.request_id for named, req in requests if req is None]
+    bad = [named.request_id for named, req in requests if not isinstance(req, AddRequest)]
     logger.error("engine: an input message failed to decode (%s); %d request(s) in it "
                  "unreadable: %s", exc, len(bad), bad[:10])
     frames = split_prompts([named for named, _ in requests], prompts)
     for (named, req), frame in zip(requests, frames):
-        in_q.put(_Unreadable(named.request_id) if req is None else (req, frame, received))
+        if isinstance(req, AddRequest):
+            in_q.put((req, frame, received))
+        else:
+            in_q.put(_Unreadable(named.request_id, req))
 
 
 def _send_loop(ctx: zmq.Context, addr: str, out_q: queue.Queue, in_q: queue.Queue) -> None:

@@ -149,10 +149,11 @@ _add_request = msgspec.msgpack.Decoder(AddRequest)
 _named_request = msgspec.msgpack.Decoder(NamedRequest)
 
 
-def decode_leniently(header: bytes | memoryview) -> list[tuple[NamedRequest, AddRequest | None]]:
+def decode_leniently(header: bytes | memoryview,
+                     ) -> list[tuple[NamedRequest, AddRequest | msgspec.DecodeError]]:
     """An AddRequests message that failed to decode, read one request at a time: each that
-    decodes, and the name of each that does not (None in its place). Requests that do not
-    even name themselves are left out. [] if it is no AddRequests at all."""
+    decodes, or the name of each that does not with its error. Requests that do not even
+    name themselves are left out. [] if it is no AddRequests at all."""
     try:
         raws = _raw_requests.decode(header).requests
     except msgspec.DecodeError:
@@ -165,8 +166,8 @@ def decode_leniently(header: bytes | memoryview) -> list[tuple[NamedRequest, Add
             continue
         try:
             out.append((named, _add_request.decode(raw)))
-        except msgspec.DecodeError:
-            out.append((named, None))
+        except msgspec.DecodeError as exc:
+            out.append((named, exc))
     return out
 
 
