@@ -157,6 +157,9 @@ REGRESSIONS = [   # (body, the parameter its 400 names) of requests that once di
     ({"prompt": "hi", "n": "2"}, "n"),                                # orchestrator: 500
     ({"messages": 5}, "prompt"),                                      # orchestrator: 500
     ({"prompt": "hi", "user": json.loads("[" * 300 + "]" * 300)}, None),   # orchestrator: 500
+    ({"prompt": "hi", "max_tokens": 1, "stream": True, "stream_options": [1]},   # 500 when
+     "stream_options"),                                               # CTX ended the request
+    ({"prompt": "hi", "max_tokens": 1, "stream": "yes"}, "stream"),   # SSE, not a 400
 ]
 
 

@@ -64,7 +64,20 @@ def parse_body(raw: bytes) -> dict:
     if dp is not None:
         raise InvalidRequestError("disaggregated_params is set by the orchestrator, not the client",
                                   "disaggregated_params")
+    _check_stream_fields(body)
     return body
+
+
+def _check_stream_fields(body: dict) -> None:
+    """The context worker never sees stream and stream_options (context_body drops them):
+    when it ends a request itself, the orchestrator answers per these two, so it checks them."""
+    stream, options = body.get("stream"), body.get("stream_options")
+    if stream is not None and not isinstance(stream, bool):
+        raise InvalidRequestError("stream must be a boolean", "stream")
+    if options is not None and not (isinstance(options, dict) and isinstance(
+            options.get("include_usage"), (bool, type(None)))):
+        raise InvalidRequestError("stream_options must be an object whose include_usage is a "
+                                  "boolean", "stream_options")
 
 
 _MAX_DUMPS_DEPTH = 254
