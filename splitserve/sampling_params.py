@@ -8,6 +8,15 @@ import msgspec
 from splitserve.errors import InvalidRequestError
 
 _MAX_LOGPROBS = 20
+# Bounds on what a client may ask for. Counts and token ids are int32 everywhere below the
+# API (prompt arrays, tensors), seeds int64 (vLLM's range; torch's generator takes any of
+# them); anything larger would fail far from where it was sent, or take the engine down.
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
+MAX_N = 128
+MAX_STOP = 16
+MAX_STOP_LEN = 256        # characters per stop string: each step searches a window this wide
+MAX_TOKEN_ID_LIST = 1024  # entries of logit_bias and of stop_token_ids
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, gc=False):
@@ -32,15 +41,19 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     skip_special_tokens: bool = True
 
     def __post_init__(self):
-        _check(self.n >= 1, "n must be at least 1", "n")
-        _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens must be at least 1",
-               "max_tokens")
-        _check(self.min_tokens >= 0, "min_tokens must be non-negative", "min_tokens")
+        _check(1 <= self.n <= MAX_N, f"n must be between 1 and {MAX_N}", "n")
+        _check(self.max_tokens is None or 1 <= self.max_tokens <= INT32_MAX,
+               f"max_tokens must be between 1 and {INT32_MAX}", "max_tokens")
+        _check(0 <= self.min_tokens <= INT32_MAX,
+               f"min_tokens must be between 0 and {INT32_MAX}", "min_tokens")
         _check(self.max_tokens is None or self.min_tokens <= self.max_tokens,
                "min_tokens must not exceed max_tokens", "min_tokens")
         _check(0.0 <= self.temperature <= 100.0, "temperature must be in [0, 100]", "temperature")
         _check(0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]", "top_p")
-        _check(self.top_k >= -1, "top_k must be -1, 0 (off) or positive", "top_k")
+        _check(-1 <= self.top_k <= INT32_MAX,
+               f"top_k must be -1 or 0 (off), or at most {INT32_MAX}", "top_k")
+        _check(self.seed is None or INT64_MIN <= self.seed <= INT64_MAX,
+               f"seed must be between {INT64_MIN} and {INT64_MAX}", "seed")
         _check(0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]", "min_p")
         _check(0.0 < self.repetition_penalty <= 10.0, "repetition_penalty must be in (0, 10]",
                "repetition_penalty")
@@ -53,11 +66,14 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
             _check(value is None or 0 <= value <= _MAX_LOGPROBS,
                    f"{name} must be between 0 and {_MAX_LOGPROBS}", name)
         if self.logit_bias:
+            _check_token_ids(self.logit_bias, "logit_bias")
             for tok, bias in self.logit_bias.items():
                 _check(-100.0 <= bias <= 100.0, f"logit_bias for token {tok} must be in [-100, 100]",
                        "logit_bias")
-        _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty",
-               "stop")
+        _check_token_ids(self.stop_token_ids, "stop_token_ids")
+        _check(len(self.stop) <= MAX_STOP, f"at most {MAX_STOP} stop strings are supported", "stop")
+        _check(all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_LEN for s in self.stop),
+               f"stop strings must be 1 to {MAX_STOP_LEN} characters long", "stop")
 
     @property
     def greedy(self) -> bool:
@@ -76,6 +92,16 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
             bad = [t for t in ids if not 0 <= int(t) < vocab_size]
             _check(not bad, f"{name} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}",
                    name)
+
+
+def _check_token_ids(ids, name: str) -> None:
+    """Size and int32 range only: whether they are in the vocabulary is check_vocab's job."""
+    if not ids:
+        return
+    _check(len(ids) <= MAX_TOKEN_ID_LIST, f"{name} may name at most {MAX_TOKEN_ID_LIST} tokens",
+           name)
+    _check(0 <= min(ids) and max(ids) <= INT32_MAX, f"{name} must hold token ids (0 to "
+           f"{INT32_MAX})", name)
 
 
 def _check(ok: bool, message: str, param: str) -> None:

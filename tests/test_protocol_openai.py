@@ -88,6 +88,54 @@ BAD_COMPLETIONS = [
      "disaggregated_params.request_type"),
     ({"prompt": "x", "disaggregated_params": {"first_gen_tokens": []}},
      "disaggregated_params.first_gen_tokens"),
+    # integers and sizes beyond what anything downstream takes (int32 counts and ids, int64 seeds)
+    ({"prompt": "x", "seed": 2**63}, "seed"),
+    ({"prompt": "x", "seed": 2**64 - 1}, "seed"),
+    ({"prompt": "x", "seed": -2**63 - 1}, "seed"),
+    ({"prompt": "x", "seed": 10**40}, "seed"),
+    ({"prompt": "x", "max_tokens": 2**31}, "max_tokens"),
+    ({"prompt": "x", "min_tokens": 2**40, "max_tokens": None}, "min_tokens"),
+    ({"prompt": "x", "min_tokens": -1}, "min_tokens"),
+    ({"prompt": "x", "top_k": 2**63}, "top_k"),
+    ({"prompt": "x", "top_k": -2}, "top_k"),
+    ({"prompt": "x", "n": -2**70}, "n"),
+    ({"prompt": "x", "logprobs": 2**64}, "logprobs"),
+    ({"prompt": "x", "prompt_logprobs": -2**64}, "prompt_logprobs"),
+    ({"prompt": "x", "stop_token_ids": [2**31]}, "stop_token_ids"),
+    ({"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"prompt": "x", "stop_token_ids": [1] * 1025}, "stop_token_ids"),
+    ({"prompt": "x", "stop": "s" * 257}, "stop"),
+    ({"prompt": "x", "logit_bias": {"99999999999": 1.0}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"9" * 5000: 1.0}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"-1": 1.0}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"٣": 1.0}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {str(i): 1.0 for i in range(1025)}}, "logit_bias"),
+    ({"prompt": [2**31]}, "prompt"),
+    ({"prompt": [[1], [-1]]}, "prompt"),
+    ({"prompt": [2**64]}, "prompt"),
+    ({"prompt": ["a"] * 129}, "prompt"),
+    ({"prompt": [[1]] * 129}, "prompt"),
+    ({"prompt": "x", "temperature": 1e308}, "temperature"),
+    ({"prompt": "x", "top_p": -1e308}, "top_p"),
+    ({"prompt": "x", "disaggregated_params": {"prompt_len": 2**31}},
+     "disaggregated_params.prompt_len"),
+    ({"prompt": "x", "disaggregated_params": {"first_gen_tokens": [2**64]}},
+     "disaggregated_params.first_gen_tokens"),
+    ({"prompt": "x", "disaggregated_params": {"first_gen_tokens": [1] * 17}},
+     "disaggregated_params.first_gen_tokens"),
+    ({"prompt": "x", "disaggregated_params": {"prompt_token_ids": [2**40]}},
+     "disaggregated_params.prompt_token_ids"),
+    ({"prompt": "x", "disaggregated_params": {"ctx_request_id": "r" * 257}},
+     "disaggregated_params.ctx_request_id"),
+    ({"prompt": "x", "disaggregated_params": {
+        "first_gen_tokens": [1], "first_gen_logprobs": [[1, -0.5, 2**64, []]]}},
+     "disaggregated_params.first_gen_logprobs"),
+    ({"prompt": "x", "disaggregated_params": {
+        "first_gen_tokens": [1, 2], "first_gen_logprobs": [[1, -0.5, 1, []]]}},
+     "disaggregated_params.first_gen_logprobs"),
+    ({"prompt": "x", "disaggregated_params": {"kv_handle": {
+        "backend": "tcp", "endpoint": "e", "ctx_request_id": "c", "layout": "l",
+        "num_tokens": 2**40}}}, "disaggregated_params.kv_handle"),
 ]
 
 BAD_CHATS = [
@@ -107,7 +155,22 @@ BAD_CHATS = [
     ({"messages": USER, "max_tokens": -3}, "max_tokens"),
     ({"messages": USER, "temperature": -1}, "temperature"),
     ({"messages": USER, "chat_template_kwargs": []}, "chat_template_kwargs"),
+    ({"messages": USER, "max_completion_tokens": 2**64}, "max_completion_tokens"),
+    ({"messages": USER, "chat_template_kwargs": {"add_generation_prompt": [1]}},
+     "chat_template_kwargs"),
+    ({"messages": USER, "chat_template_kwargs": {"messages": 5}}, "chat_template_kwargs"),
+    ({"messages": USER, "seed": -2**64}, "seed"),
+    ({"messages": USER, "logprobs": True, "top_logprobs": 2**70}, "top_logprobs"),
 ]
+
+
+def test_integer_bounds_are_inclusive():
+    params = completion(seed=2**63 - 1, max_tokens=2**31 - 1, min_tokens=2**31 - 1,
+                        top_k=2**31 - 1, stop_token_ids=[0, 2**31 - 1],
+                        logit_bias={" +7 ": 1.0}).sampling_params()
+    assert params.seed == 2**63 - 1 and params.logit_bias == {7: 1.0}
+    assert chat(seed=-2**63).sampling_params().seed == -2**63
+    assert completion(prompt=[0, 2**31 - 1]).prompts() == [[0, 2**31 - 1]]
 
 
 @pytest.mark.parametrize("body, param", BAD_COMPLETIONS)

@@ -58,6 +58,7 @@ class EngineCore:
         # detokenizers; the value is None until the first token.
         self.final_only: dict[int, CompletionDelta | None] = {}
         self.pending: list[CompletionDelta] = []   # deltas produced between steps (aborts)
+        self._batch: list[Request] = []            # the running step's requests
         self.remote_kv = RemoteKV(config.kv, self.block_manager, self.runner.kv_cache, cfg,
                                   config.torch_dtype)
         logger.info("engine: %s %s, %d KV blocks of %d tokens, max_model_len %d", cfg.name,
@@ -67,7 +68,8 @@ class EngineCore:
     def add_request(self, request_id: str, prompt: PromptTokens, params: SamplingParams,
                     context_only: bool = False, remote: RemotePrefill | None = None,
                     received_time: float | None = None, stream: bool = True) -> None:
-        """Validate and queue; raises InvalidRequestError naming the problem.
+        """Validate and queue; raises InvalidRequestError naming the problem. Any other
+        failure ends the request with an error delta from the next step().
         context_only: stop after the first token and lease the KV to a generation worker.
         remote: the prompt's KV is pulled from a context worker instead of computed.
         stream=False: each sequence yields one delta, when it finishes, holding everything it
@@ -81,12 +83,24 @@ class EngineCore:
             self.remote_kv.check(remote, len(prompt), self.model_config.vocab_size)
         if prompt.is_placeholder:
             self._check_length_only(params, remote)
+        try:
+            self._admit(request_id, prompt, params, context_only, remote, received_time, stream)
+        except Exception:   # a bug admitting one request ends that request, not the engine
+            logger.exception("engine: admitting request %s failed", request_id)
+            self._discard_group(request_id)
+            self.pending.append(CompletionDelta(
+                request_id, -1, [], "", finish_reason=int(FinishReason.ERROR),
+                error="internal error while admitting the request"))
+
+    def _admit(self, request_id: str, prompt: PromptTokens, params: SamplingParams,
+               context_only: bool, remote: RemotePrefill | None, received_time: float | None,
+               stream: bool) -> None:
         eos = () if params.ignore_eos else self.model_config.eos_token_ids
-        children = []
+        children = self.groups[request_id] = []
         for i in range(params.n):
             child_params = params
             if params.seed is not None and i:
-                child_params = _with_seed(params, params.seed + i)
+                child_params = _with_seed(params, _wrap_int64(params.seed + i))
             req = Request(f"{request_id}#{i}" if params.n > 1 else request_id, prompt, child_params,
                           eos, self.max_model_len, received_time)
             req.group_id, req.index = request_id, i
@@ -98,8 +112,12 @@ class EngineCore:
         for s in siblings:
             s.status = RequestStatus.WAITING_FOR_FORK
         leader.siblings = siblings
-        self.groups[request_id] = children
         self.scheduler.add(leader)
+
+    def _discard_group(self, request_id: str) -> None:
+        """Forget a group that never fully entered the engine, freeing whatever it took."""
+        for req in self.groups.pop(request_id, ()):
+            self._forget(req)
 
     def _validate(self, prompt: PromptTokens, params: SamplingParams) -> None:
         n = len(prompt)
@@ -131,7 +149,8 @@ class EngineCore:
     def abort_request(self, request_id: str) -> None:
         for req in self.groups.get(request_id, ()):
             if not req.is_finished:
-                self._finish(req, FinishReason.ABORT, self.pending)
+                self._guard(req, self.pending, "aborting", self._finish, req, FinishReason.ABORT,
+                            self.pending)
 
     # -- the step -------------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
@@ -143,69 +162,151 @@ class EngineCore:
         return bool(s.running or s.waiting or self.pending)
 
     def step(self) -> list[CompletionDelta]:
+        """Never raises: a failure ends the request(s) it concerns with an error delta."""
         out, self.pending = self.pending, []
-        self._poll_remote_kv(out)
-        sched = self.scheduler.schedule()
-        for req in sched.pulls:
-            self.remote_kv.start_pull(req)
-        for req in sched.starved:
-            self._finish(req, FinishReason.ERROR, out, error="out of KV cache blocks")
-        if not sched:
-            return out
+        self._batch = []
         try:
-            result = self.runner.execute(sched.scheduled)
-        except Exception as exc:   # one bad batch ends its requests, not the engine
+            self._step(out)
+        except Exception:   # last resort: a failure no one request could be blamed for
             logger.exception("engine: step failed")
-            for req, _ in sched.scheduled:
-                self._finish(req, FinishReason.ERROR, out, error=f"engine step failed: {exc}")
-            return out
-        for req, n in sched.scheduled:
-            req.num_computed_tokens += n
-            self.block_manager.cache_full_blocks(req)
-        self._record_prompt_logprobs(result)
-        self._sample(result, out)
+            self._fail_all(self._batch or [r for g in self.groups.values() for r in g], out)
         return out
 
-    def _record_prompt_logprobs(self, result: StepResult) -> None:
+    def _step(self, out: list[CompletionDelta]) -> None:
+        self._poll_remote_kv(out)
+        sched = self.scheduler.schedule()
+        self._batch = [req for req, _ in sched.scheduled] + sched.pulls
+        for req in sched.pulls:
+            self._guard(req, out, "starting its KV transfer", self.remote_kv.start_pull, req)
+        for req in sched.starved:
+            self._finish(req, FinishReason.ERROR, out, error="out of KV cache blocks")
+        for req in sched.failed:
+            self._fail(req, out, "scheduling")
+        if not sched:
+            return
+        try:
+            result = self.runner.execute(sched.scheduled)
+        except Exception:   # one bad batch ends its requests, not the engine
+            logger.exception("engine: the model's forward pass failed")
+            self._fail_all([req for req, _ in sched.scheduled], out, "running the model")
+            return
+        for req, n in sched.scheduled:
+            self._guard(req, out, "caching its KV blocks", self._computed, req, n)
         for req, start, logits in result.prompt_logits.values():
-            if req.prompt_logprobs is None:
-                req.prompt_logprobs = [None]
-            if start + 1 < len(req.prompt_logprobs):
-                continue   # recomputed after preemption: already recorded
-            targets = torch.from_numpy(req.prompt.array[start + 1:start + 1 + logits.shape[0]].astype(np.int64))
-            req.prompt_logprobs.extend(prompt_logprobs(logits, targets, req.params.prompt_logprobs))
+            self._guard(req, out, "computing prompt logprobs", self._record_prompt_logprobs,
+                        req, start, logits)
+        self._sample(result, out)
+
+    def _computed(self, req: Request, n: int) -> None:
+        req.num_computed_tokens += n
+        self.block_manager.cache_full_blocks(req)
+
+    def _record_prompt_logprobs(self, req: Request, start: int, logits: torch.Tensor) -> None:
+        if req.prompt_logprobs is None:
+            req.prompt_logprobs = [None]
+        if start + 1 < len(req.prompt_logprobs):
+            return   # recomputed after preemption: already recorded
+        targets = torch.from_numpy(req.prompt.array[start + 1:start + 1 + logits.shape[0]].astype(np.int64))
+        req.prompt_logprobs.extend(prompt_logprobs(logits, targets, req.params.prompt_logprobs))
 
     def _sample(self, result: StepResult, out: list[CompletionDelta]) -> None:
         if result.logits is None:
             return
-        requests, rows = list(result.sample_requests), list(range(len(result.sample_requests)))
+        requests, rows = [], []
         for row, req in enumerate(result.sample_requests):
-            for sib in self._fork_siblings(req):
+            if req.is_finished:        # failed earlier in this step
+                continue
+            requests.append(req)
+            rows.append(row)
+            for sib in self._fork_siblings(req, out):
                 requests.append(sib)
                 rows.append(row)
+        if not requests:
+            return
         logits = result.logits if len(rows) == len(result.logits) else result.logits[rows]
-        sampled = self.sampler(logits, requests)
-        for req, token, logprob in zip(requests, sampled.token_ids, sampled.logprobs):
-            self._append_token(req, token, logprob, out)
+        try:
+            sampled = self.sampler(logits, requests)
+            picks = zip(requests, sampled.token_ids, sampled.logprobs)
+        except Exception:
+            # Find the row(s) at fault: sample each alone. A seeded row whose generator drew
+            # in the failed call draws again, so its token for this step may differ.
+            logger.exception("engine: sampling a batch of %d failed; sampling each alone",
+                             len(requests))
+            picks = self._sample_each(logits, requests, out)
+        for req, token, logprob in picks:
+            self._guard(req, out, "detokenizing", self._append_token, req, token, logprob, out)
 
-    def _fork_siblings(self, leader: Request) -> list[Request]:
+    def _sample_each(self, logits: torch.Tensor, requests: list[Request],
+                     out: list[CompletionDelta]) -> list[tuple[Request, int, object]]:
+        picks = []
+        for i, req in enumerate(requests):
+            one = self._guard(req, out, "sampling", self.sampler, logits[i:i + 1], [req])
+            if one is not None:
+                picks.append((req, one.token_ids[0], one.logprobs[0]))
+        return picks
+
+    # -- failures -------------------------------------------------------------------------
+    def _guard(self, req: Request, out: list[CompletionDelta], doing: str, fn, *args):
+        """fn(*args); if it raises, req ends with an error and the result is None."""
+        try:
+            return fn(*args)
+        except Exception:
+            logger.exception("engine: request %s failed while %s", req.request_id, doing)
+            self._fail(req, out, doing)
+            return None
+
+    def _fail(self, req: Request, out: list[CompletionDelta], doing: str) -> None:
+        if req.is_finished:
+            return
+        error = f"internal error while {doing} (see the worker's log)"
+        try:
+            self._finish(req, FinishReason.ERROR, out, error=error)
+        except Exception:   # its state is beyond repair: forget it without its bookkeeping
+            logger.exception("engine: ending request %s failed", req.request_id)
+            self._drop(req, out, error)
+
+    def _fail_all(self, requests: list[Request], out: list[CompletionDelta],
+                  doing: str = "running the engine's step") -> None:
+        for req in requests:
+            self._fail(req, out, doing)
+
+    def _drop(self, req: Request, out: list[CompletionDelta], error: str) -> None:
+        for r in (req, *req.siblings):
+            self._forget(r)
+            out.append(CompletionDelta(r.group_id, r.index, [], "", error=error,
+                                       finish_reason=int(FinishReason.ERROR)))
+        req.siblings = []
+        if all(r.is_finished for r in self.groups.get(req.group_id, ())):
+            self.groups.pop(req.group_id, None)
+
+    def _forget(self, req: Request) -> None:
+        """Take req out of every structure and free its blocks, without finishing it."""
+        req.status = RequestStatus.FINISHED_ERROR
+        self.final_only.pop(id(req), None)
+        self.detokenizers.pop(id(req), None)
+        try:
+            self.scheduler.remove(req)
+        except Exception:
+            logger.exception("engine: request %s's blocks could not be freed", req.request_id)
+
+    def _fork_siblings(self, leader: Request, out: list[CompletionDelta]) -> list[Request]:
         """n > 1: siblings share the leader's prompt blocks and sample from its logits."""
         siblings, leader.siblings = leader.siblings, []
-        forked = []
-        for sib in siblings:
-            if self.block_manager.num_free_blocks < 1:
-                sib.status = RequestStatus.WAITING    # no room to fork: recompute (prefix cache helps)
-                self.scheduler.add(sib)
-                continue
-            copy = self.block_manager.fork(leader, sib)
-            if copy is not None:
-                self.runner.copy_block(*copy)
-            sib.num_computed_tokens = leader.num_computed_tokens
-            sib.prompt_logprobs = leader.prompt_logprobs
-            sib.status = RequestStatus.RUNNING
-            self.scheduler.running.append(sib)
-            forked.append(sib)
-        return forked
+        return [sib for sib in siblings if self._guard(sib, out, "forking", self._fork, leader, sib)]
+
+    def _fork(self, leader: Request, sib: Request) -> bool:
+        if self.block_manager.num_free_blocks < 1:
+            sib.status = RequestStatus.WAITING    # no room to fork: recompute (prefix cache helps)
+            self.scheduler.add(sib)
+            return False
+        copy = self.block_manager.fork(leader, sib)
+        if copy is not None:
+            self.runner.copy_block(*copy)
+        sib.num_computed_tokens = leader.num_computed_tokens
+        sib.prompt_logprobs = leader.prompt_logprobs
+        sib.status = RequestStatus.RUNNING
+        self.scheduler.running.append(sib)
+        return True
 
     def _append_token(self, req: Request, token: int, logprob, out: list[CompletionDelta]) -> None:
         first = req.num_output_tokens == 0
@@ -267,21 +368,24 @@ class EngineCore:
     def _poll_remote_kv(self, out: list[CompletionDelta]) -> None:
         self.remote_kv.release_ended_leases()
         for req, result in self.remote_kv.finished_pulls():
-            if req.is_finished:            # aborted while its KV was arriving
-                self.block_manager.free(req)
-                continue
-            req.kv_transfer_time = result.seconds
-            if not result.ok:
-                self._finish(req, FinishReason.ERROR, out, error=f"KV transfer from "
-                             f"{req.remote.handle.endpoint} failed: {result.error}")
-                continue
-            remote = req.remote
-            self.scheduler.kv_arrived(req)
-            self.block_manager.cache_full_blocks(req)
-            lps = remote.first_gen_logprobs or [None] * len(remote.first_gen_tokens)
-            for token, lp in zip(remote.first_gen_tokens, lps):
-                if not req.is_finished:
-                    self._append_token(req, token, lp, out)
+            self._guard(req, out, "receiving its KV", self._kv_arrived, req, result, out)
+
+    def _kv_arrived(self, req: Request, result, out: list[CompletionDelta]) -> None:
+        if req.is_finished:            # aborted while its KV was arriving
+            self.block_manager.free(req)
+            return
+        req.kv_transfer_time = result.seconds
+        if not result.ok:
+            self._finish(req, FinishReason.ERROR, out, error=f"KV transfer from "
+                         f"{req.remote.handle.endpoint} failed: {result.error}")
+            return
+        remote = req.remote
+        self.scheduler.kv_arrived(req)
+        self.block_manager.cache_full_blocks(req)
+        lps = remote.first_gen_logprobs or [None] * len(remote.first_gen_tokens)
+        for token, lp in zip(remote.first_gen_tokens, lps):
+            if not req.is_finished:
+                self._append_token(req, token, lp, out)
 
     def _detokenizer(self, req: Request) -> IncrementalDetokenizer:
         d = self.detokenizers.get(id(req))
@@ -325,3 +429,9 @@ class EngineCore:
 
 def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
     return msgspec.structs.replace(params, seed=seed)
+
+
+def _wrap_int64(seed: int) -> int:
+    """Sibling i's seed is seed + i, wrapped into int64 like a C counter: a seed at the top
+    of the range must not push its siblings' past what msgpack and torch take."""
+    return (seed + 2**63) % 2**64 - 2**63

@@ -23,8 +23,9 @@ from splitserve.config import EngineConfig
 from splitserve.engine.core import EngineCore
 from splitserve.errors import InvalidRequestError
 from splitserve.protocol.engine import (
-    AbortRequests, AddRequests, CompletionDelta, EngineDead, EngineInput, EngineOutputs,
-    EngineReady, EngineStats, Shutdown, split_prompts, unpack_input)
+    AbortRequests, AddRequest, AddRequests, CompletionDelta, EngineDead, EngineInput,
+    EngineOutputs, EngineReady, EngineStats, Shutdown, decode_leniently, split_prompts,
+    unpack_input)
 from splitserve.engine.request import FinishReason
 from splitserve.tokens import PromptTokens
 
@@ -42,7 +43,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
     ctx = zmq.Context()
     out_q: queue.Queue = queue.Queue()
     in_q: queue.Queue = queue.Queue()
-    threading.Thread(target=_send_loop, args=(ctx, output_addr, out_q), daemon=True).start()
+    threading.Thread(target=_send_loop, args=(ctx, output_addr, out_q, in_q), daemon=True).start()
     try:
         engine = EngineCore(config)
     except Exception as exc:
@@ -110,12 +111,37 @@ def _step_loop(engine: EngineCore, in_q: queue.Queue, out_q: queue.Queue, parent
             last_stats, next_beat = stats, now + heartbeat
 
 
+class _Unreadable:
+    """An input request that failed to decode: its id and why."""
+
+    def __init__(self, request_id: str, error: msgspec.DecodeError):
+        self.request_id, self.error = request_id, error
+
+    def delta(self) -> CompletionDelta:
+        """A 400 if its parameters failed validation (SamplingParams checks them again on
+        decoding), else a server error."""
+        cause = self.error.__cause__
+        if isinstance(cause, InvalidRequestError):
+            return _rejected(self.request_id, cause)
+        return _internal_error(self.request_id, "could not read the request")
+
+
 def _handle(engine: EngineCore, item, deltas: list[CompletionDelta]) -> None:
-    if isinstance(item, AbortRequests):
-        for rid in item.request_ids:
-            engine.abort_request(rid)
-        return
-    msg, frame, received = item
+    try:
+        if isinstance(item, AbortRequests):
+            for rid in item.request_ids:
+                engine.abort_request(rid)
+        elif isinstance(item, _Unreadable):
+            deltas.append(item.delta())
+        else:
+            _add(engine, *item, deltas)
+    except Exception:   # one message must not end the step loop
+        logger.exception("engine: handling an input message failed")
+        if isinstance(item, tuple):
+            deltas.append(_internal_error(item[0].request_id, "could not admit the request"))
+
+
+def _add(engine: EngineCore, msg, frame, received: float, deltas: list[CompletionDelta]) -> None:
     try:
         if frame is None:
             raise InvalidRequestError("the engine received a batch whose prompt bytes do not "
@@ -130,8 +156,19 @@ def _handle(engine: EngineCore, item, deltas: list[CompletionDelta]) -> None:
         engine.add_request(msg.request_id, prompt, msg.params, context_only=msg.context_only,
                            remote=msg.remote, received_time=received, stream=msg.stream)
     except InvalidRequestError as exc:
-        deltas.append(CompletionDelta(msg.request_id, 0, [], "", finish_reason=int(FinishReason.ERROR),
-                                      error=exc.message, error_param=exc.param or ""))
+        deltas.append(_rejected(msg.request_id, exc))
+
+
+def _rejected(request_id: str, exc: InvalidRequestError) -> CompletionDelta:
+    """Ends a request the engine refused (error_param set: the client's 400)."""
+    return CompletionDelta(request_id, 0, [], "", finish_reason=int(FinishReason.ERROR),
+                           error=exc.message, error_param=exc.param or "")
+
+
+def _internal_error(request_id: str, what: str, index: int = -1) -> CompletionDelta:
+    """Ends a request (index -1: all its sequences) with a server error."""
+    return CompletionDelta(request_id, index, [], "", finish_reason=int(FinishReason.ERROR),
+                           error=f"internal error: the engine {what} (see the worker's log)")
 
 
 def _stats(engine: EngineCore) -> EngineStats:
@@ -146,26 +183,78 @@ def _recv_loop(ctx: zmq.Context, addr: str, in_q: queue.Queue) -> None:
     sock.connect(addr)
     decoder = msgspec.msgpack.Decoder(EngineInput)
     while True:
-        buf = sock.recv(copy=False).buffer
-        received = time.time()   # the front-end's part ends here; see Request.admit_time
-        header, prompts = unpack_input(buf)
         try:
-            msg = decoder.decode(header)
-        except msgspec.DecodeError:
-            logger.exception("dropped an undecodable message")
-            continue
-        if not isinstance(msg, AddRequests):
-            in_q.put(msg)
+            frame = sock.recv(copy=False)
+        except zmq.ContextTerminated:
+            sock.close()
+            return
+        try:
+            _receive(frame.buffer, decoder, in_q)
+        except Exception:   # the input thread outlives any one message
+            logger.exception("engine: reading an input message failed")
+
+
+def _receive(buf: memoryview, decoder: msgspec.msgpack.Decoder, in_q: queue.Queue) -> None:
+    received = time.time()   # the front-end's part ends here; see Request.admit_time
+    header, prompts = unpack_input(buf)
+    try:
+        msg = decoder.decode(header)
+    except msgspec.DecodeError as exc:
+        _receive_leniently(header, prompts, received, in_q, exc)
+        return
+    if not isinstance(msg, AddRequests):
+        in_q.put(msg)
+    else:
+        for req, frame in zip(msg.requests, split_prompts(msg.requests, prompts)):
+            in_q.put((req, frame, received))
+
+
+def _receive_leniently(header: memoryview, prompts: memoryview, received: float,
+                       in_q: queue.Queue, exc: Exception) -> None:
+    """A message that failed to decode: admit the requests in it that decode alone, and
+    answer each of the others that names itself with an error, so none waits forever."""
+    requests = decode_leniently(header)
+    bad = [named.request_id for named, req in requests if not isinstance(req, AddRequest)]
+    logger.error("engine: an input message failed to decode (%s); %d request(s) in it "
+                 "unreadable: %s", exc, len(bad), bad[:10])
+    frames = split_prompts([named for named, _ in requests], prompts)
+    for (named, req), frame in zip(requests, frames):
+        if isinstance(req, AddRequest):
+            in_q.put((req, frame, received))
         else:
-            for req, frame in zip(msg.requests, split_prompts(msg.requests, prompts)):
-                in_q.put((req, frame, received))
+            in_q.put(_Unreadable(named.request_id, req))
 
 
-def _send_loop(ctx: zmq.Context, addr: str, out_q: queue.Queue) -> None:
+def _send_loop(ctx: zmq.Context, addr: str, out_q: queue.Queue, in_q: queue.Queue) -> None:
     sock = ctx.socket(zmq.PUSH)
     sock.setsockopt(zmq.LINGER, 1000)
     sock.connect(addr)
     encoder = msgspec.msgpack.Encoder()
     while (msg := out_q.get()) is not None:
-        sock.send(encoder.encode(msg), copy=False)
+        try:
+            sock.send(_encode(encoder, msg, in_q), copy=False)
+        except Exception:   # the output thread outlives any one message
+            logger.exception("engine: sending an output message failed")
     sock.close()
+
+
+def _encode(encoder: msgspec.msgpack.Encoder, msg, in_q: queue.Queue) -> bytes:
+    """msg encoded; a delta that does not encode becomes an error delta for its sequence,
+    and its request is aborted (its output could never leave), the others' go out."""
+    try:
+        return encoder.encode(msg)
+    except Exception:
+        if not isinstance(msg, EngineOutputs):
+            raise
+    deltas, failed = [], []
+    for delta in msg.deltas:
+        try:
+            encoder.encode(delta)
+            deltas.append(delta)
+        except Exception:
+            logger.exception("engine: request %s's output failed to encode", delta.request_id)
+            failed.append(delta.request_id)
+            deltas.append(_internal_error(delta.request_id, "could not send the output",
+                                          delta.index))
+    in_q.put(AbortRequests(failed))
+    return encoder.encode(EngineOutputs(deltas, msg.stats))

@@ -9,6 +9,7 @@ most of them back).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -16,6 +17,8 @@ from dataclasses import dataclass, field
 from splitserve.config import SchedulerConfig
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.request import NO_BLOCKS, Request, RequestStatus
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -25,6 +28,7 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     pulls: list[Request] = field(default_factory=list)   # blocks allocated: start their KV pull
     starved: list[Request] = field(default_factory=list)  # no block, nobody to preempt: fail them
+    failed: list[Request] = field(default_factory=list)   # scheduling them raised: fail them
 
     @property
     def num_tokens(self) -> int:
@@ -58,7 +62,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self.bm.allocate(req, n):
+            while not self._allocate(req, n, out):
                 victim = self._victim(i)
                 if victim is None:     # only length-only requests after it: wait a step
                     stuck.append(req)
@@ -69,12 +73,25 @@ class Scheduler:
                 if victim is req:
                     return budget
             else:
+                if req in out.failed:
+                    self.running.pop(i)
+                    continue
                 out.scheduled.append((req, n))
                 budget -= n
             i += 1
         if stuck and not out.scheduled:
             out.starved = stuck[:1]    # nothing can move: end one so the rest can
         return budget
+
+    def _allocate(self, req: Request, n: int, out: SchedulerOutput, cached=NO_BLOCKS) -> bool:
+        """bm.allocate; True (and req in out.failed) if it raised: one request's broken
+        state must not stop the others being scheduled."""
+        try:
+            return self.bm.allocate(req, n, cached)
+        except Exception:
+            logger.exception("engine: allocating blocks for %s failed", req.request_id)
+            out.failed.append(req)
+            return True
 
     def _victim(self, i: int) -> Request | None:
         """The most recently admitted running request at or after position i that can be
@@ -91,9 +108,11 @@ class Scheduler:
             if req.remote is not None:
                 # The prompt's KV comes from a context worker: blocks now, no compute budget,
                 # so a step whose budget the running decodes used up still starts pulls.
-                if not self.bm.allocate(req, req.num_prompt_tokens):
+                if not self._allocate(req, req.num_prompt_tokens, out):
                     break
                 self.waiting.popleft()
+                if req in out.failed:
+                    continue
                 req.status = RequestStatus.WAITING_FOR_REMOTE_KV
                 req.first_scheduled_time = time.monotonic()
                 self.transferring.append(req)
@@ -103,12 +122,14 @@ class Scheduler:
                 break
             cached = NO_BLOCKS
             if req.num_computed_tokens == 0 and req.params.prompt_logprobs is None:
-                cached = self.bm.find_cached_prefix(req)   # cached tokens would have no logprobs
+                cached = self._cached_prefix(req, out)   # cached tokens would have no logprobs
             computed = req.num_computed_tokens + len(cached) * self.bm.block_size
             n = min(req.num_tokens - computed, budget)
-            if not self.bm.allocate(req, n, cached):
+            if not (req in out.failed or self._allocate(req, n, out, cached)):
                 break
             self.waiting.popleft()
+            if req in out.failed:
+                continue
             if req.num_output_tokens == 0:
                 req.num_cached_tokens = len(cached) * self.bm.block_size
             req.num_computed_tokens = computed
@@ -118,6 +139,14 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append((req, n))
             budget -= n
+
+    def _cached_prefix(self, req: Request, out: SchedulerOutput):
+        try:
+            return self.bm.find_cached_prefix(req)
+        except Exception:
+            logger.exception("engine: the prefix cache lookup for %s failed", req.request_id)
+            out.failed.append(req)
+            return NO_BLOCKS
 
     @property
     def _num_admitted(self) -> int:

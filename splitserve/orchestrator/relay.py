@@ -30,7 +30,8 @@ class UpstreamError(Exception):
 def needs_aggregated(body: dict) -> bool:
     """Requests the split path does not serve: they run whole on a generation worker.
     n > 1 (siblings fork from one prefill), and prompt logprobs (GEN does not prefill)."""
-    return ((body.get("n") or 1) > 1 or body.get("prompt_logprobs") is not None
+    n = body.get("n")   # not an int: the worker's 400 names it
+    return ((isinstance(n, int) and n > 1) or body.get("prompt_logprobs") is not None
             or (bool(body.get("echo")) and body.get("logprobs") is not None))
 
 
@@ -38,7 +39,9 @@ def prefix_key(body: dict) -> bytes:
     """The first bytes of the prompt: what prefix_aware routing groups by."""
     prompt = body.get("prompt")
     if prompt is None:
-        prompt = [m.get("content") for m in body.get("messages") or [] if isinstance(m, dict)]
+        messages = body.get("messages")
+        messages = messages if isinstance(messages, list) else []
+        prompt = [m.get("content") for m in messages if isinstance(m, dict)]
     return orjson.dumps(prompt)[:256]
 
 
@@ -49,11 +52,35 @@ def parse_body(raw: bytes) -> dict:
         raise InvalidRequestError("the request body is not valid JSON") from None
     if not isinstance(body, dict):
         raise InvalidRequestError("the request body must be a JSON object")
+    # orjson reads 1024 levels of nesting but writes 254, and the body is written again for
+    # each worker. Only a body with that many brackets can be that deep: the rest skip this.
+    if raw.count(b"[") + raw.count(b"{") > _MAX_DUMPS_DEPTH:
+        try:
+            orjson.dumps(body)
+        except TypeError:
+            raise InvalidRequestError(f"the request body nests deeper than {_MAX_DUMPS_DEPTH} "
+                                      f"levels") from None
     dp = body.get("disaggregated_params")
     if dp is not None:
         raise InvalidRequestError("disaggregated_params is set by the orchestrator, not the client",
                                   "disaggregated_params")
+    _check_stream_fields(body)
     return body
+
+
+def _check_stream_fields(body: dict) -> None:
+    """The context worker never sees stream and stream_options (context_body drops them):
+    when it ends a request itself, the orchestrator answers per these two, so it checks them."""
+    stream, options = body.get("stream"), body.get("stream_options")
+    if stream is not None and not isinstance(stream, bool):
+        raise InvalidRequestError("stream must be a boolean", "stream")
+    if options is not None and not (isinstance(options, dict) and isinstance(
+            options.get("include_usage"), (bool, type(None)))):
+        raise InvalidRequestError("stream_options must be an object whose include_usage is a "
+                                  "boolean", "stream_options")
+
+
+_MAX_DUMPS_DEPTH = 254
 
 
 def relay_mode(body: dict, default: str) -> str:

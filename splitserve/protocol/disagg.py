@@ -10,6 +10,11 @@ import msgspec
 
 from splitserve.errors import InvalidRequestError
 from splitserve.protocol.engine import KVHandle, Logprob
+from splitserve.sampling_params import INT32_MAX
+
+MAX_FIRST_GEN_TOKENS = 16     # a context worker samples one; room for speculative drafts
+MAX_ID_LEN = 256              # characters of ctx_request_id
+MAX_TOP = 20                  # alternatives per logprob entry (SamplingParams' limit)
 
 RequestType = Literal["context_only", "generation_only"]
 TokenRelay = Literal["list", "b64", "metadata"]
@@ -28,15 +33,19 @@ class DisaggregatedParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     prompt_token_ids_b64: str | None = None    # b64: little-endian int32, base64
 
     def __post_init__(self):
-        _check(self.ctx_request_id is None or self.ctx_request_id != "",
-               "ctx_request_id must not be empty", "ctx_request_id")
-        _check(self.prompt_len is None or self.prompt_len >= 0,
-               "prompt_len must be non-negative", "prompt_len")
+        _check(self.ctx_request_id is None or 0 < len(self.ctx_request_id) <= MAX_ID_LEN,
+               f"ctx_request_id must be 1 to {MAX_ID_LEN} characters long", "ctx_request_id")
+        _check(self.prompt_len is None or 0 <= self.prompt_len <= INT32_MAX,
+               f"prompt_len must be between 0 and {INT32_MAX}", "prompt_len")
         if self.first_gen_tokens is not None:
-            _check(bool(self.first_gen_tokens), "first_gen_tokens must not be empty",
+            _check(0 < len(self.first_gen_tokens) <= MAX_FIRST_GEN_TOKENS,
+                   f"first_gen_tokens must hold 1 to {MAX_FIRST_GEN_TOKENS} tokens",
                    "first_gen_tokens")
-            _check(min(self.first_gen_tokens) >= 0, "first_gen_tokens must be token ids (>= 0)",
-                   "first_gen_tokens")
+            _check_ids(self.first_gen_tokens, "first_gen_tokens")
+        if self.first_gen_logprobs is not None:
+            _check_logprobs(self.first_gen_logprobs, len(self.first_gen_tokens or ()))
+        if self.prompt_token_ids:
+            _check_ids(self.prompt_token_ids, "prompt_token_ids")
 
     def check_generation_only(self) -> None:
         """A generation_only request must say where its KV is and what came first."""
@@ -51,6 +60,22 @@ class DisaggregatedParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         _check(self.prompt_len == self.kv_handle.num_tokens,
                f"prompt_len {self.prompt_len} disagrees with the KV handle's "
                f"{self.kv_handle.num_tokens} tokens", "prompt_len")
+
+
+def _check_ids(ids: list[int], name: str) -> None:
+    _check(0 <= min(ids) and max(ids) <= INT32_MAX,
+           f"{name} must be token ids (0 to {INT32_MAX})", name)
+
+
+def _check_logprobs(entries: list[Logprob], num_tokens: int) -> None:
+    """They are relayed back to the client as they came: one per first token, int32 ids."""
+    name = "first_gen_logprobs"
+    _check(len(entries) == num_tokens, f"{name} must have one entry per first_gen_tokens", name)
+    for lp in entries:
+        _check(len(lp.top) <= MAX_TOP, f"{name} entries hold at most {MAX_TOP} alternatives", name)
+        ids = [lp.token_id, lp.rank, *(t for t, _ in lp.top)]
+        _check(0 <= min(ids) and max(ids) <= INT32_MAX, f"{name} holds ids or ranks outside "
+               f"0 to {INT32_MAX}", name)
 
 
 def _check(ok: bool, message: str, field: str) -> None:

@@ -25,6 +25,9 @@ class Logprob(msgspec.Struct, array_like=True, gc=False):
     top: list[tuple[int, float]]
 
 
+_MAX_HANDLE_STR = 1024
+
+
 class KVHandle(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     """Where a GEN worker pulls a context request's KV from."""
     backend: str                 # "tcp" | "nixl"
@@ -35,9 +38,12 @@ class KVHandle(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     agent_metadata: bytes = b""  # backend extra (nixl agent metadata)
 
     def __post_init__(self):
-        _check(self.num_tokens >= 0, "kv_handle.num_tokens must be non-negative")
+        _check(0 <= self.num_tokens < 2**31, "kv_handle.num_tokens must be between 0 and 2^31-1")
         _check(bool(self.endpoint) and bool(self.ctx_request_id),
                "kv_handle needs an endpoint and a ctx_request_id")
+        _check(max(len(self.endpoint), len(self.ctx_request_id), len(self.layout),
+                   len(self.backend)) <= _MAX_HANDLE_STR,
+               f"kv_handle's strings must be at most {_MAX_HANDLE_STR} characters long")
 
 
 class RemotePrefill(msgspec.Struct, omit_defaults=True, gc=False):
@@ -124,6 +130,45 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
 
 
 EngineInput = AddRequests | AbortRequests | Shutdown
+
+
+class NamedRequest(msgspec.Struct, gc=False):
+    """The fields of an AddRequest that say which request it is and how many prompt bytes
+    follow: what can still be read of one that fails to decode."""
+    request_id: str
+    prompt_len: int = 0
+    placeholder: bool = False
+
+
+class _RawRequests(msgspec.Struct, tag="add"):
+    requests: list[msgspec.Raw]
+
+
+_raw_requests = msgspec.msgpack.Decoder(_RawRequests)
+_add_request = msgspec.msgpack.Decoder(AddRequest)
+_named_request = msgspec.msgpack.Decoder(NamedRequest)
+
+
+def decode_leniently(header: bytes | memoryview,
+                     ) -> list[tuple[NamedRequest, AddRequest | msgspec.DecodeError]]:
+    """An AddRequests message that failed to decode, read one request at a time: each that
+    decodes, or the name of each that does not with its error. Requests that do not even
+    name themselves are left out. [] if it is no AddRequests at all."""
+    try:
+        raws = _raw_requests.decode(header).requests
+    except msgspec.DecodeError:
+        return []
+    out = []
+    for raw in raws:
+        try:
+            named = _named_request.decode(raw)
+        except msgspec.DecodeError:
+            continue
+        try:
+            out.append((named, _add_request.decode(raw)))
+        except msgspec.DecodeError as exc:
+            out.append((named, exc))
+    return out
 
 
 # -- engine core -> front-end ----------------------------------------------------------------

@@ -14,11 +14,10 @@ import msgspec
 
 from splitserve.errors import InvalidRequestError
 from splitserve.protocol.disagg import DisaggregatedParams
-from splitserve.sampling_params import SamplingParams
+from splitserve.sampling_params import INT32_MAX, MAX_N, MAX_STOP, SamplingParams
 
-MAX_N = 128
-MAX_STOP = 16
 MAX_TOP_LOGPROBS = 20
+MAX_PROMPTS = 128          # prompts in one completions batch (each runs n sequences)
 
 
 class StreamOptions(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -161,6 +160,9 @@ class ChatCompletionRequest(_BaseRequest, kw_only=True, omit_defaults=True):
                f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}", "top_logprobs")
         _check(bool(self.logprobs) or not self.top_logprobs,
                "top_logprobs requires logprobs to be true", "top_logprobs")
+        reserved = sorted(_RESERVED_TEMPLATE_KWARGS.intersection(self.chat_template_kwargs or ()))
+        _check(not reserved, f"chat_template_kwargs must not set {', '.join(reserved)} (the "
+               f"request's own fields set what the template reads)", "chat_template_kwargs")
 
     def conversation(self) -> list[dict]:
         return [m.to_dict() for m in self.messages]
@@ -177,6 +179,9 @@ class ChatCompletionRequest(_BaseRequest, kw_only=True, omit_defaults=True):
                 exc.param = "max_completion_tokens"
             raise
 
+
+# Names the chat template call takes itself: passed again as keywords they would collide.
+_RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "self", "source"})
 
 KNOWN_COMPLETION_FIELDS = frozenset(CompletionRequest.__struct_fields__)
 KNOWN_CHAT_FIELDS = frozenset(ChatCompletionRequest.__struct_fields__)
@@ -245,7 +250,7 @@ def _join(path: str, param: str | None) -> str | None:
 
 def _check_prompt(prompt) -> None:
     """A string, or a list of strings, token ids or token-id lists (not a mix), none empty.
-    Token id ranges are the engine's check: it knows the vocabulary."""
+    Ids must be int32 here; whether they are in the vocabulary is the engine's check."""
     _check(len(prompt) > 0, "prompt must not be empty", "prompt")
     if isinstance(prompt, str):
         return
@@ -256,6 +261,11 @@ def _check_prompt(prompt) -> None:
                                   "ids or a list of token-id lists, not a mix", "prompt") from None
     _check(not isinstance(prompt[0], (str, list)) or all(prompt),
            "prompt must not contain an empty string or token-id list", "prompt")
+    _check(not isinstance(prompt[0], (str, list)) or len(prompt) <= MAX_PROMPTS,
+           f"a batch holds at most {MAX_PROMPTS} prompts", "prompt")
+    for ids in [prompt] if isinstance(prompt[0], int) else prompt:
+        _check(isinstance(ids, str) or (0 <= min(ids) and max(ids) <= INT32_MAX),
+               f"prompt token ids must be between 0 and {INT32_MAX}", "prompt")
 
 
 _PROMPT_LIST_TYPES = {str: list[str], int: list[int], list: list[list[int]]}
@@ -264,20 +274,16 @@ _PROMPT_LIST_TYPES = {str: list[str], int: list[int], list: list[list[int]]}
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     if not bias:
         return None
-    try:
-        return {int(k): v for k, v in bias.items()}
-    except ValueError:
-        bad = next(k for k in bias if not _is_int(k))
-        raise InvalidRequestError(f"logit_bias keys must be token ids, got {bad!r}",
-                                  "logit_bias") from None
+    out = {}
+    for key, value in bias.items():
+        # Token ids are short decimal numbers: int() of a long digit string is quadratic.
+        _check(_TOKEN_ID_KEY.fullmatch(key) is not None,
+               f"logit_bias keys must be token ids, got {key[:20]!r}", "logit_bias")
+        out[int(key)] = value
+    return out
 
 
-def _is_int(text: str) -> bool:
-    try:
-        int(text)
-        return True
-    except ValueError:
-        return False
+_TOKEN_ID_KEY = re.compile(r"\s*[+-]?\d{1,10}\s*", re.ASCII)
 
 
 def _check(ok: bool, message: str, param: str) -> None:
