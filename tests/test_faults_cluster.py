@@ -15,7 +15,7 @@ import urllib.request
 
 import pytest
 
-from server_utils import (Orchestrator, Worker, descendants, engine_pid, metrics,
+from server_utils import (Orchestrator, UpCluster, Worker, descendants, engine_pid, get, metrics,
                           post, stream, wait_for, wait_kv_free)
 
 MODEL = ("--model", "tiny-random", "--dtype", "float32")
@@ -147,6 +147,47 @@ def test_shedding_past_max_in_flight(cluster):
         assert text_of(f.result(120))
     assert post(orch.url + "/v1/completions", BODY)[0] == 200
     wait_kv_free([ctx.url, gen.url])
+
+
+def test_up_restarts_a_killed_worker(tmp_path):
+    log = tmp_path / "up.log"
+    up = UpCluster(*MODEL, "--num-gen", "2", log=log, log_level="INFO")
+    gen_url, port = f"http://127.0.0.1:{up.port + 3}", up.port + 3
+    try:
+        victim = _worker_pid(up.proc.pid, port)
+        os.kill(victim, signal.SIGKILL)
+        for _ in range(4):    # meanwhile: routed around the dead GEN
+            assert post(up.url + "/v1/completions", BODY)[0] == 200
+        wait_for(lambda: _worker_pid(up.proc.pid, port, victim) and _gens_healthy(up.url) == 2,
+                 180, "the GEN restarted and healthy again")
+        text = log.read_text()
+        assert re.search(rf"gen worker {gen_url} \(pid {victim}\) was killed by SIGKILL; "
+                         r"restarting it in 1 s", text), text[-3000:]
+        assert f"gen worker {gen_url} restarted" in text
+        assert f"gen server {gen_url} is up" in text
+        for _ in range(4):    # afterwards: both GENs serve
+            assert post(up.url + "/v1/completions", BODY)[0] == 200
+        wait_kv_free([f"http://127.0.0.1:{up.port + i}" for i in (1, 2, 3)])
+        up.interrupt()
+    finally:
+        up.close()
+
+
+def _gens_healthy(url: str) -> int:
+    return len(json.loads(get(url + "/health")[1])["healthy"]["gen"])
+
+
+def _worker_pid(parent: int, port: int, not_pid: int | None = None) -> int | None:
+    """The pid of `up`'s worker child serving on `port` (other than not_pid)."""
+    for pid in descendants(parent):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"serve" in cmd and str(port).encode() in cmd and pid != not_pid:
+            return pid
+    return None
 
 
 def open_stream(port: int, body: dict):
