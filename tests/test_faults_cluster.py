@@ -149,6 +149,27 @@ def test_shedding_past_max_in_flight(cluster):
     wait_kv_free([ctx.url, gen.url])
 
 
+def test_timeouts_bound_each_wait_not_the_whole_stream(cluster):
+    (ctx,), (gen,), orch = cluster(ctx_args=("--kv-lease-seconds", "3"), first_byte_timeout=2,
+                                   idle_timeout=2)
+    # ~4 s on the tiny model: a stream outlives both timeouts (aiohttp's total ended it)
+    assert text_of(stream(orch.url + "/v1/completions", {**LONG, "max_tokens": 2000}))
+    engine = stall(gen)
+    status, err = post(orch.url + "/v1/completions", BODY)     # no first byte in 2 s
+    assert status == 504 and err["error"]["message"] == \
+        "the generation worker did not answer within 2 s"
+    os.kill(engine, signal.SIGCONT)
+    conn, resp = open_stream(orch.port, LONG)
+    assert "choices" in read_events(resp, 2)[0]
+    os.kill(engine, signal.SIGSTOP)       # the stream stalls mid-way
+    rest = read_events(resp)
+    conn.close()
+    os.kill(engine, signal.SIGCONT)
+    assert rest[-1] == "[DONE]" and "sent nothing for 2 s" in rest[-2]["error"]["message"]
+    assert sum(v for k, v in metrics(orch.url).items() if "retries_total" in k) == 0
+    wait_kv_free([ctx.url, gen.url])
+
+
 def test_up_restarts_a_killed_worker(tmp_path):
     log = tmp_path / "up.log"
     up = UpCluster(*MODEL, "--num-gen", "2", log=log, log_level="INFO")
