@@ -241,6 +241,11 @@ def _ctx_answer(body: dict, status: int, answer: dict) -> web.Response:
     return resp
 
 
+def _report_failure(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.error("orch: %s stopped", task.get_coro().__qualname__, exc_info=task.exception())
+
+
 async def run_orchestrator(config: ClusterConfig, should_stop=None, banner: str = "",
                            companion=None) -> None:
     """Serve until Ctrl-C / SIGTERM (or should_stop() turns true). companion: a coroutine
@@ -248,7 +253,10 @@ async def run_orchestrator(config: ClusterConfig, should_stop=None, banner: str 
     cancelled first on the way out."""
     orch = Orchestrator(config)
     runner = await orch.start()
-    task = asyncio.create_task(companion(orch)) if companion else None
+    task = None
+    if companion is not None:
+        task = asyncio.create_task(companion(orch))
+        task.add_done_callback(_report_failure)
     if banner:
         print(banner, flush=True)
     try:
