@@ -116,20 +116,27 @@ def test_gen_killed_mid_stream_ends_the_stream_with_an_error(cluster):
     wait_kv_free([ctx.url, gens[1 - victim].url])
 
 
-def test_ctx_killed_after_its_prefill_is_retried_with_a_fresh_prefill(cluster):
+@pytest.mark.parametrize("streamed, reason", [(False, "server_error"), (True, "error_event")])
+def test_ctx_killed_after_its_prefill_is_retried_with_a_fresh_prefill(cluster, streamed, reason):
+    """GEN's pull from the dead CTX fails: it answers 500, or streams an error as its first
+    event; either way nothing reached the client, and the request prefills again."""
     ctxs, (gen,), orch = cluster(2, 1, gen_args=("--kv-timeout", "3"))
     want = post(gen.url + "/v1/completions", BODY)[1]["choices"][0]["text"]
     engine = stall(gen)
-    pending = cluster.submit(post, orch.url + "/v1/completions", BODY)
+    url = orch.url + "/v1/completions"
+    pending = cluster.submit(stream, url, BODY) if streamed else cluster.submit(post, url, BODY)
     wait_for(lambda: relayed(gen), 60, "the GEN holds the request")
     leased = [metrics(c.url)["splitserve_kv_blocks_leased"] > 0 for c in ctxs]
     assert sum(leased) == 1
     victim = leased.index(True)
     kill(ctxs[victim])
-    os.kill(engine, signal.SIGCONT)    # its pull from the dead CTX fails: GEN answers 500
-    status, got = pending.result(120)
-    assert status == 200 and got["choices"][0]["text"] == want
-    assert retries(orch, "gen", "server_error") == 1
+    os.kill(engine, signal.SIGCONT)
+    if streamed:
+        assert text_of(pending.result(120)) == want
+    else:
+        status, got = pending.result(120)
+        assert status == 200 and got["choices"][0]["text"] == want
+    assert retries(orch, "gen", reason) == 1
     wait_kv_free([ctxs[1 - victim].url, gen.url])
 
 
