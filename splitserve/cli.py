@@ -91,7 +91,8 @@ def _orchestrator(args) -> int:
     from splitserve.orchestrator.app import run_orchestrator
     from splitserve.orchestrator.cluster import ClusterConfig
     config = ClusterConfig.from_yaml(args.config)
-    overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+    overrides = {k: v for k, v in (("host", args.host), ("port", args.port),
+                                   ("max_in_flight", args.max_in_flight)) if v is not None}
     asyncio.run(run_orchestrator(replace(config, **overrides)))
     return 0
 
@@ -139,6 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     orch.add_argument("-c", "--config", required=True)
     orch.add_argument("--host", default=None)
     orch.add_argument("--port", type=int, default=None)
+    orch.add_argument("--max-in-flight", type=int, default=None,
+                      help="requests served at once; past it, 503 at once (overrides the YAML)")
     orch.set_defaults(func=_orchestrator)
 
     upp = sub.add_parser("up", help="a local cluster: orchestrator + CTX + GEN workers")
@@ -154,6 +157,14 @@ def build_parser() -> argparse.ArgumentParser:
     upp.add_argument("--ctx-router", default="prefix_aware")
     upp.add_argument("--gen-router", default="least_loaded")
     upp.add_argument("--start-timeout", type=float, default=600.0)
+    upp.add_argument("--max-in-flight", type=int, default=None,
+                     help="requests served at once; past it, 503 with Retry-After at once "
+                          "(default 4096)")
+    upp.add_argument("--first-byte-timeout", type=float, default=None,
+                     help="seconds a worker may take to a CTX answer or a GEN stream's first "
+                          "event (default 600)")
+    upp.add_argument("--idle-timeout", type=float, default=None,
+                     help="seconds a GEN stream may go without sending anything (default 120)")
     upp.set_defaults(func=_up)
 
     bench = sub.add_parser("bench", help="benchmarks")

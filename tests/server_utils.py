@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import urllib.error
 import urllib.request
 
@@ -76,12 +77,13 @@ class Orchestrator(ServerProcess):
     """`splitserve orchestrator -c cluster.yaml` in a subprocess, healthy on return."""
 
     def __init__(self, tmp_path, ctx_urls, gen_urls, ctx_router="round_robin",
-                 gen_router="least_loaded", timeout: float = 60.0):
+                 gen_router="least_loaded", timeout: float = 60.0, **config):
+        """config: more ClusterConfig fields (max_in_flight, idle_timeout, ...)."""
         import yaml
         port = free_port()
         path = tmp_path / f"cluster-{port}.yaml"
         path.write_text(yaml.safe_dump({
-            "port": port, "health_check_interval": 0.5,
+            "port": port, "health_check_interval": 0.5, **config,
             "context_servers": {"urls": list(ctx_urls), "router": ctx_router},
             "generation_servers": {"urls": list(gen_urls), "router": gen_router}}))
         super().__init__(["orchestrator", "-c", str(path)], port)
@@ -119,3 +121,68 @@ def engine_pid(worker) -> int:
         if b"spawn_main" in cmd and b"resource_tracker" not in cmd:
             return pid
     raise LookupError("no engine process found")
+
+
+def kv_blocks_busy(url: str) -> float:
+    """A worker's KV blocks in use plus those leased to generation workers."""
+    m = metrics(url)
+    return m["splitserve_kv_blocks_used"] + m["splitserve_kv_blocks_leased"]
+
+
+def wait_kv_free(urls, timeout: float = 30.0) -> None:
+    """Until every worker's KV blocks are free again (a lease nobody pulls expires)."""
+    deadline = time.monotonic() + timeout
+    while busy := {u: kv_blocks_busy(u) for u in urls if kv_blocks_busy(u)}:
+        assert time.monotonic() < deadline, f"KV blocks still held after {timeout} s: {busy}"
+        time.sleep(0.2)
+
+
+def wait_for(cond, timeout: float, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"{what} not met in {timeout} s"
+        time.sleep(0.2)
+
+
+def answers_health(url: str) -> bool:
+    try:
+        return get(url + "/health")[0] == 200
+    except OSError:
+        return False
+
+
+class UpCluster:
+    """`splitserve up <args>` in a subprocess on a free port (its output to `log`, a path,
+    if given), healthy on return; interrupt() is Ctrl-C, close() kills what is left."""
+
+    def __init__(self, *args: str, log=None, log_level: str = "WARNING", timeout: float = 180.0):
+        import subprocess
+        import sys
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        out = open(log, "w") if log else None
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "splitserve.cli", "--log-level", log_level, "up", *args,
+                 "--port", str(self.port), "--threads", "1"], stdout=out, stderr=out and -2)
+        finally:
+            if out:
+                out.close()
+        try:
+            wait_for(lambda: answers_health(self.url), timeout, "cluster health")
+        except BaseException:
+            self.close()
+            raise
+
+    def interrupt(self) -> None:
+        """Ctrl-C: `up` exits 0 and every process it started is gone."""
+        import signal
+        family = descendants(self.proc.pid)
+        self.proc.send_signal(signal.SIGINT)
+        assert self.proc.wait(60) == 0
+        wait_for(lambda: not any(alive(p) for p in family), 30, "every process gone")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()

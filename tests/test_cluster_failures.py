@@ -1,16 +1,11 @@
 """Workers dying under the orchestrator, and `splitserve up` cleaning up after itself."""
 
 import json
-import os
 import signal
 import socket
-import subprocess
-import sys
-import time
 
-import pytest
-
-from server_utils import Orchestrator, Worker, alive, descendants, free_port, get, metrics, post
+from server_utils import (Orchestrator, UpCluster, Worker, descendants, get, metrics, post,
+                          wait_for)
 
 MODEL = ("--model", "tiny-random", "--dtype", "float32")
 BODY = {"model": "tiny-random", "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0}
@@ -19,13 +14,6 @@ BODY = {"model": "tiny-random", "prompt": "Once upon a time", "max_tokens": 8, "
 def kill(worker) -> None:
     worker.proc.send_signal(signal.SIGKILL)
     worker.proc.wait()
-
-
-def wait_for(cond, timeout, what="condition"):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"{what} not met in {timeout} s"
-        time.sleep(0.2)
 
 
 def test_dead_generation_workers(tmp_path):
@@ -40,9 +28,11 @@ def test_dead_generation_workers(tmp_path):
             assert status == 200 and got["choices"][0]["text"] == want["choices"][0]["text"]
         # Mid-stream death: the client gets an error event and the end of the stream.
         events = stream_then_kill(orch, gens[1])
-        assert any(isinstance(e, dict) and "error" in e for e in events)
+        error = events[-2]["error"]     # said in the client's terms, then [DONE]
+        assert error["message"].startswith("the generation worker stopped while streaming")
         status, err = post(orch.url + "/v1/completions", BODY)
-        assert status == 503 and err["error"]["message"]
+        assert status == 503
+        assert err["error"]["message"] == "no generation worker is available; retry later"
         # Nobody pulled the last context's KV: the lease runs out and frees the blocks.
         wait_for(lambda: metrics(ctx.url)["splitserve_kv_blocks_leased"] == 0, 10, "lease expiry")
         assert metrics(ctx.url)["splitserve_kv_blocks_used"] == 0
@@ -91,26 +81,11 @@ def test_dead_context_worker_is_routed_around(tmp_path):
 
 
 def test_up_then_ctrl_c_leaves_no_process():
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "splitserve.cli", "--log-level", "WARNING", "up",
-                             *MODEL, "--port", str(port), "--threads", "1"])
-    url = f"http://127.0.0.1:{port}"
+    up = UpCluster(*MODEL)
     try:
-        wait_for(lambda: _healthy(url), 120, "cluster health")
-        assert post(url + "/v1/chat/completions", {
+        assert post(up.url + "/v1/chat/completions", {
             "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})[0] == 200
-        family = descendants(proc.pid)
-        assert len(family) >= 4        # two workers, each with an engine process
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(60) == 0
-        wait_for(lambda: not any(alive(p) for p in family), 30, "every process gone")
+        assert len(descendants(up.proc.pid)) >= 4     # two workers, each with an engine process
+        up.interrupt()
     finally:
-        if proc.poll() is None:
-            proc.kill()
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return get(url + "/health")[0] == 200
-    except OSError:
-        return False
+        up.close()

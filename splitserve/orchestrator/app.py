@@ -12,25 +12,14 @@ from aiohttp import web
 
 from splitserve.errors import InvalidRequestError
 from splitserve.gc_policy import ServingGC
-from splitserve.orchestrator import relay
+from splitserve.orchestrator import relay, stream, upstream
 from splitserve.orchestrator.cluster import ClusterConfig, Server
-from splitserve.orchestrator.routers import make_router
+from splitserve.orchestrator.pools import ROLE, Pool, Tries
 from splitserve.server.config import LISTEN_BACKLOG
-from splitserve.server.metrics import Counter, Histogram, Registry
+from splitserve.server.metrics import Counter, Gauge, Histogram, Registry
 from splitserve.signals import wait_for_stop_signal
 
 logger = logging.getLogger(__name__)
-
-
-class Pool:
-    def __init__(self, name: str, urls, router: str):
-        self.name = name
-        self.servers = [Server(u.rstrip("/")) for u in urls]
-        self.router = make_router(router)
-
-    def pick(self, key: bytes, exclude: set) -> Server | None:
-        healthy = [s for s in self.servers if s.healthy and s not in exclude]
-        return self.router.pick(healthy, key) if healthy else None
 
 
 class OrchestratorMetrics:
@@ -44,10 +33,14 @@ class OrchestratorMetrics:
         self.ctx = r.register(Histogram(p + "ctx_seconds", "CTX round trip: queue, prefill, first token"))
         self.relay = r.register(Histogram(p + "relay_seconds", "CTX answer to GEN request sent"))
         self.gen_first_byte = r.register(Histogram(p + "gen_first_byte_seconds",
-                                                   "GEN request sent to its first response byte"))
+                                                   "GEN request sent to its first event (a whole answer: all of it)"))
         self.e2e = r.register(Histogram(p + "e2e_seconds", "Client arrival to the last byte"))
-        self.retries = r.register(Counter(p + "retries_total", "Requests retried on another server",
-                                          ("pool",)))
+        self.retries = r.register(Counter(p + "retries_total",
+                                          "Tries that failed before any byte reached the client "
+                                          "and were tried again, by pool and reason",
+                                          ("pool", "reason")))
+        self.in_flight = r.register(Gauge(p + "requests_in_flight",
+                                          "Client requests being served (past max_in_flight: 503)"))
         self.relay_modes = r.register(Counter(p + "token_relay_total",
                                               "Requests relayed to GEN, by token relay mode", ("mode",)))
 
@@ -65,110 +58,123 @@ class Orchestrator:
             web.get("/metrics", self.prometheus)])
         self.session: aiohttp.ClientSession | None = None
         self.gc = ServingGC()
+        self.in_flight = 0
 
     # -- the request path -----------------------------------------------------------------
     async def generate(self, request: web.Request) -> web.StreamResponse:
+        if self.in_flight >= self.config.max_in_flight:
+            self.metrics.requests.labels(request.path, "shed", 503).inc()
+            return relay.json_error(503, f"the server is at capacity ({self.in_flight} requests "
+                                         f"in flight); retry later", retry_after=1)
         t0, route, status = time.time(), "disagg", 500
+        self.in_flight += 1
+        self.metrics.in_flight.inc()
         try:
             body = relay.parse_body(await request.read())
-            key = relay.prefix_key(body)
             if relay.needs_aggregated(body):
                 route = "aggregated"
-                resp = await self._to_gen(request, body, key)
-            else:
-                resp = await self._split(request, body, key, t0)
-                route = resp.get("route", route)
-            status = resp.status
+            resp = await self._serve(request, body, route == "aggregated", t0)
+            route, status = resp.get("route", route), resp.status
             return resp
         except InvalidRequestError as exc:
             status = 400
             return relay.json_error(400, exc.message, "invalid_request_error", exc.param)
         except relay.UpstreamError as exc:
-            status = 503
-            return relay.json_error(503, str(exc))
+            status = exc.status
+            return relay.json_error(exc.status, str(exc), retry_after=exc.retry_after)
         finally:
+            self.in_flight -= 1
+            self.metrics.in_flight.dec()
             self.metrics.requests.labels(request.path, route, status).inc()
             self.metrics.e2e.observe(time.time() - t0)
 
-    async def _split(self, request, body: dict, key: bytes, t0: float) -> web.StreamResponse:
-        mode = relay.relay_mode(body, self.config.token_relay)
-        ctx_body = orjson.dumps(relay.context_body(body, mode))
-        self.metrics.preprocessing.observe(time.time() - t0)
-        t1 = time.time()
-        status, answer = await self._post_json(self.ctx, request.path, ctx_body, key)
-        self.metrics.ctx.observe(time.time() - t1)
-        params = answer.get("disaggregated_params") if status == 200 else None
-        if not params or not params.get("kv_handle"):
-            # CTX finished the request (EOS, stop, max_tokens 1) or refused it: its answer stands.
-            if status == 200 and body.get("stream"):
-                include = bool((body.get("stream_options") or {}).get("include_usage"))
-                answer.pop("disaggregated_params", None)
-                resp = web.Response(body=relay.as_stream(answer, include), content_type=relay.SSE)
-            else:
-                answer.pop("disaggregated_params", None)
-                resp = web.Response(status=status, body=orjson.dumps(answer),
-                                    content_type="application/json")
-            resp["route"] = "ctx_only"
+    async def _serve(self, request, body: dict, aggregated: bool, t0: float) -> web.StreamResponse:
+        """The one retry loop: CTX prefill (unless aggregated), then GEN, each tried again on
+        a failure that reached nothing of the client. A failed GEN try prefills again: the
+        CTX lease may be gone (the dead GEN pulled and acked it, or it expired)."""
+        key, mode = relay.prefix_key(body), None
+        if aggregated:
+            ctx_data, gen_data = None, orjson.dumps(body)
+        else:
+            mode = relay.relay_mode(body, self.config.token_relay)
+            ctx_data, gen_data = orjson.dumps(relay.context_body(body, mode)), None
+            self.metrics.preprocessing.observe(time.time() - t0)
+        tries = Tries(self.config.max_retries, self.metrics.retries)
+        while True:
+            pool = self.gen if gen_data is not None else self.ctx
+            server = tries.pick(pool, key)
+            try:
+                if gen_data is not None:
+                    return await self._generate_on(server, request, gen_data)
+                status, answer = await self._prefill(server, request.path, ctx_data)
+                params = answer.get("disaggregated_params") if status == 200 else None
+                if not params or not params.get("kv_handle"):
+                    return _ctx_answer(body, status, answer)
+                ctx_done = time.time()
+                gen_data = orjson.dumps(relay.generation_body(body, params))
+                self.metrics.relay_modes.labels(mode).inc()
+                self.metrics.relay.observe(time.time() - ctx_done)
+            except upstream.Retry as exc:
+                tries.failed_on(pool, server, exc)
+                if not aggregated:
+                    gen_data = None
+            except upstream.TimedOut:
+                raise relay.UpstreamError(
+                    f"the {ROLE[pool.name]} worker did not answer within "
+                    f"{self.config.first_byte_timeout:g} s", 504, None) from None
+
+    async def _prefill(self, server: Server, path: str, data: bytes) -> tuple[int, dict]:
+        server.in_flight += 1
+        t = time.time()
+        try:
+            return await upstream.post_json(self.session, server.url + path, data,
+                                            self.config.first_byte_timeout)
+        finally:
+            server.in_flight -= 1
+            self.metrics.ctx.observe(time.time() - t)
+
+    async def _generate_on(self, server: Server, request, data: bytes) -> web.StreamResponse:
+        server.in_flight += 1
+        try:
+            t = time.time()
+            held = await upstream.open_generation(self.session, server.url + request.path, data,
+                                                  self.config.first_byte_timeout)
+            self.metrics.gen_first_byte.observe(time.time() - t)
+            try:
+                resp = await stream.forward(request, held, self.config.idle_timeout)
+            except BaseException:
+                held.response.close()    # GEN sees the connection go and aborts the request
+                raise
+            held.response.release()
             return resp
-        self.metrics.relay_modes.labels(mode).inc()
-        return await self._to_gen(request, relay.generation_body(body, params), key, time.time())
+        finally:
+            server.in_flight -= 1
 
-    async def _post_json(self, pool: Pool, path: str, data: bytes, key: bytes) -> tuple[int, dict]:
-        tried: set = set()
-        while (server := pool.pick(key, tried)) is not None:
-            tried.add(server)
-            server.in_flight += 1
-            try:
-                async with self.session.post(server.url + path, data=data, headers=_headers()) as r:
-                    return r.status, orjson.loads(await r.read())
-            except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
-                self._down(pool, server, exc)
-            finally:
-                server.in_flight -= 1
-        raise relay.UpstreamError(f"no {pool.name} server could take the request")
-
-    async def _to_gen(self, request, body: dict, key: bytes,
-                      ctx_done: float | None = None) -> web.StreamResponse:
-        """Send to a generation server; retry on another while no byte reached the client."""
-        data, tried = orjson.dumps(body), set()
-        if ctx_done is not None:
-            self.metrics.relay.observe(time.time() - ctx_done)
-        while (server := self.gen.pick(key, tried)) is not None:
-            tried.add(server)
-            server.in_flight += 1
-            try:
-                t = time.time()
-                async with self.session.post(server.url + request.path, data=data,
-                                             headers=_headers()) as upstream:
-                    self.metrics.gen_first_byte.observe(time.time() - t)
-                    return await relay.pass_through(request, upstream)
-            except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
-                self._down(self.gen, server, exc)
-            finally:
-                server.in_flight -= 1
-        raise relay.UpstreamError("no generation server could take the request")
-
-    def _down(self, pool: Pool, server: Server, exc: Exception) -> None:
-        logger.warning("orch: %s server %s failed (%s); trying another", pool.name, server.url, exc)
-        server.healthy = False
-        self.metrics.retries.labels(pool.name).inc()
+    def mark_down(self, url: str) -> None:
+        """A worker is known to be gone (its process exited): route around it at once."""
+        for pool in (self.ctx, self.gen):
+            pool.mark_down(url)
 
     # -- small endpoints and health -------------------------------------------------------
     async def models(self, request: web.Request) -> web.Response:
         for server in self.gen.servers:
             if server.healthy:
                 try:
-                    async with self.session.get(server.url + "/v1/models") as r:
+                    async with self.session.get(server.url + "/v1/models", timeout=_PROBE) as r:
                         return web.Response(status=r.status, body=await r.read(),
                                             content_type="application/json")
-                except aiohttp.ClientError:
+                except (aiohttp.ClientError, asyncio.TimeoutError):
                     continue
-        return relay.json_error(503, "no generation server is up")
+        return relay.json_error(503, "no generation worker is available; retry later",
+                                retry_after=self.config.health_check_interval)
 
     async def health(self, request: web.Request) -> web.Response:
-        up = {p.name: [s.url for s in p.servers if s.healthy] for p in (self.ctx, self.gen)}
+        """200 while every pool has a healthy server (status "degraded" if some are down)."""
+        pools = (self.ctx, self.gen)
+        up = {p.name: [s.url for s in p.servers if s.healthy] for p in pools}
         ok = all(up.values())
-        return web.json_response({"status": "ok" if ok else "degraded", "healthy": up},
+        whole = ok and all(len(up[p.name]) == len(p.servers) for p in pools)
+        return web.json_response({"status": "ok" if whole else "degraded", "healthy": up},
                                  status=200 if ok else 503)
 
     async def prometheus(self, request: web.Request) -> web.Response:
@@ -176,25 +182,29 @@ class Orchestrator:
                             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
     async def _health_loop(self) -> None:
-        timeout = aiohttp.ClientTimeout(total=2.0)
+        checks = [(pool, server) for pool in (self.ctx, self.gen) for server in pool.servers]
         while True:
-            for pool in (self.ctx, self.gen):
-                for server in pool.servers:
-                    try:
-                        async with self.session.get(server.url + "/health", timeout=timeout) as r:
-                            healthy = r.status == 200
-                    except (aiohttp.ClientError, asyncio.TimeoutError):
-                        healthy = False
-                    if healthy != server.healthy:
-                        logger.info("orch: %s server %s is %s", pool.name, server.url,
-                                    "up" if healthy else "down")
-                    server.healthy = healthy
+            # Concurrently: a worker that hangs must not delay the others' verdicts.
+            await asyncio.gather(*(self._check_health(p, s) for p, s in checks))
             await asyncio.sleep(self.config.health_check_interval)
+
+    async def _check_health(self, pool: Pool, server: Server) -> None:
+        try:
+            async with self.session.get(server.url + "/health", timeout=_PROBE) as r:
+                healthy = r.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            healthy = False
+        if healthy != server.healthy:
+            logger.info("orch: %s server %s is %s", pool.name, server.url,
+                        "up" if healthy else "down")
+        server.healthy = healthy
 
     # -- lifecycle ------------------------------------------------------------------------
     async def start(self) -> web.AppRunner:
+        # No total or read timeout here: upstream.py bounds the wait for the first byte,
+        # stream.py the gaps in a stream, however long the stream runs.
         self.session = aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=self.config.request_timeout, sock_connect=5.0),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout),
             connector=aiohttp.TCPConnector(limit=0))
         self._health_task = asyncio.create_task(self._health_loop())
         self.gc.start()
@@ -214,18 +224,44 @@ class Orchestrator:
         await self.session.close()
 
 
-def _headers() -> dict:
-    # The receiver measures its preprocessing from the moment we wrote the request.
-    return {"Content-Type": "application/json", "X-Sent-At": repr(time.time())}
+_PROBE = aiohttp.ClientTimeout(total=2.0)   # health checks and /v1/models
 
 
-async def run_orchestrator(config: ClusterConfig, should_stop=None, banner: str = "") -> None:
-    """Serve until Ctrl-C / SIGTERM (or should_stop() turns true)."""
+def _ctx_answer(body: dict, status: int, answer: dict) -> web.Response:
+    """CTX finished the request (EOS, stop, max_tokens 1) or refused it: its answer stands,
+    as SSE if the client streams."""
+    answer.pop("disaggregated_params", None)
+    if status == 200 and body.get("stream"):
+        include = bool((body.get("stream_options") or {}).get("include_usage"))
+        resp = web.Response(body=relay.as_stream(answer, include), content_type=relay.SSE)
+    else:
+        resp = web.Response(status=status, body=orjson.dumps(answer),
+                            content_type="application/json")
+    resp["route"] = "ctx_only"
+    return resp
+
+
+def _report_failure(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.error("orch: %s stopped", task.get_coro().__qualname__, exc_info=task.exception())
+
+
+async def run_orchestrator(config: ClusterConfig, should_stop=None, banner: str = "",
+                           companion=None) -> None:
+    """Serve until Ctrl-C / SIGTERM (or should_stop() turns true). companion: a coroutine
+    function of the Orchestrator run alongside it (`splitserve up` watches its workers),
+    cancelled first on the way out."""
     orch = Orchestrator(config)
     runner = await orch.start()
+    task = None
+    if companion is not None:
+        task = asyncio.create_task(companion(orch))
+        task.add_done_callback(_report_failure)
     if banner:
         print(banner, flush=True)
     try:
         await wait_for_stop_signal(should_stop)
     finally:
+        if task is not None:
+            task.cancel()
         await orch.stop(runner)

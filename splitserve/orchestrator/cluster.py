@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import yaml
 
@@ -29,13 +29,24 @@ class ClusterConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     token_relay: str = "auto"     # how prompt tokens travel CTX -> GEN (orchestrator/relay.py)
-    request_timeout: float = 600.0
     health_check_interval: float = 2.0
+    # No total timeout: a long stream may run for hours. Each phase has its own bound.
+    connect_timeout: float = 5.0        # opening a connection to a worker
+    first_byte_timeout: float = 600.0   # request sent -> CTX's whole answer / GEN's first event
+    idle_timeout: float = 120.0         # GEN stream: longest wait for its next bytes
+    max_retries: int = 2                # failed tries a request survives per pool
+    # Past this many client requests in flight, answer 503 at once (the benchmarks hold 1024+).
+    max_in_flight: int = 4096
 
     def __post_init__(self):
         if self.token_relay not in RELAY_MODES:
             raise ValueError(f"token_relay must be one of {', '.join(RELAY_MODES)}, "
                              f"got {self.token_relay!r}")
+        for name in ("connect_timeout", "first_byte_timeout", "idle_timeout", "max_in_flight"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
+        if self.max_retries < 0:
+            raise ValueError(f"max_retries must be 0 or more, got {self.max_retries!r}")
 
     @classmethod
     def from_yaml(cls, path: str) -> ClusterConfig:
@@ -66,7 +77,6 @@ class Server:
     url: str
     healthy: bool = True
     in_flight: int = 0
-    failures: int = field(default=0)
 
     def __hash__(self) -> int:
         return hash(self.url)

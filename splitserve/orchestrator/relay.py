@@ -1,30 +1,28 @@
 """One client request through the cluster: CTX prefill, then GEN decode streamed back.
 
-The orchestrator decodes the client body once (to add disaggregated_params), relays CTX's
-answer to GEN per the token relay mode, and passes GEN's response bytes through untouched.
+The orchestrator decodes the client body once (to add disaggregated_params) and relays CTX's
+answer to GEN per the token relay mode; stream.py passes GEN's response bytes through.
 """
 
 from __future__ import annotations
 
-import logging
-import time
-
-import aiohttp
 import orjson
 from aiohttp import web
 
 from splitserve.engine.prompt_reads import prompt_value_readers
 from splitserve.errors import InvalidRequestError
 from splitserve.orchestrator.cluster import RELAY_MODES
-from splitserve.protocol.openai import error_body, sse_error
-
-logger = logging.getLogger(__name__)
+from splitserve.protocol.openai import error_body
 
 SSE = "text/event-stream"
 
 
 class UpstreamError(Exception):
-    """No server of a pool could take the request (all down or unreachable)."""
+    """The cluster could not serve the request; the message is for the client."""
+
+    def __init__(self, message: str, status: int = 503, retry_after: float | None = 1.0):
+        super().__init__(message)
+        self.status, self.retry_after = status, retry_after
 
 
 def needs_aggregated(body: dict) -> bool:
@@ -136,31 +134,8 @@ def as_stream(answer: dict, include_usage: bool) -> bytes:
     return b"".join(out)
 
 
-async def pass_through(request: web.Request, upstream: aiohttp.ClientResponse) -> web.StreamResponse:
-    """Copy GEN's status, content type and body bytes to the client as they arrive."""
-    ctype = upstream.headers.get("Content-Type", "application/json")
-    if not ctype.startswith(SSE):
-        return web.Response(status=upstream.status, body=await upstream.read(),
-                            headers={"Content-Type": ctype})
-    resp = web.StreamResponse(status=upstream.status,
-                              headers={"Content-Type": ctype, "Cache-Control": "no-cache"})
-    await resp.prepare(request)
-    try:
-        async for chunk in upstream.content.iter_any():
-            await resp.write(chunk)
-    except (aiohttp.ClientError, ConnectionError) as exc:   # GEN died mid-stream
-        logger.warning("orch: generation stream broke: %s", exc)
-        await resp.write(sse_error(f"the generation worker failed mid-stream: {exc}"))
-        await resp.write(b"data: [DONE]\n\n")
-    await resp.write_eof()
-    return resp
-
-
 def json_error(status: int, message: str, type: str = "server_error",
-               param: str | None = None) -> web.Response:
+               param: str | None = None, retry_after: float | None = None) -> web.Response:
+    headers = None if retry_after is None else {"Retry-After": str(max(1, round(retry_after)))}
     return web.Response(status=status, body=error_body(message, type, param),
-                        content_type="application/json")
-
-
-def now() -> float:
-    return time.time()
+                        content_type="application/json", headers=headers)

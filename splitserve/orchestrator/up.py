@@ -1,7 +1,8 @@
 """`splitserve up`: a whole local cluster (CTX and GEN workers + orchestrator) in one command.
 
 Workers are child processes (`splitserve serve --role ...`); the orchestrator runs in this
-process. Ctrl-C (or SIGTERM) stops the orchestrator, then every worker, and waits for them.
+process. A worker that exits is restarted (supervisor.py) while the rest keep serving. Ctrl-C
+(or SIGTERM) stops the orchestrator, then every worker, and waits for them.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import urllib.request
 
 from splitserve.orchestrator.app import run_orchestrator
 from splitserve.orchestrator.cluster import ClusterConfig, PoolConfig
+from splitserve.orchestrator.supervisor import Supervisor, WorkerChild
 
 logger = logging.getLogger(__name__)
 
@@ -30,17 +32,17 @@ def worker_command(args, role: str, port: int) -> list[str]:
     return cmd
 
 
-def start_workers(args) -> tuple[list[subprocess.Popen], list[str], list[str]]:
+def start_workers(args) -> list[WorkerChild]:
     n = args.num_ctx + args.num_gen
     threads = args.threads or max(1, (os.cpu_count() or 1) // n)
     env = dict(os.environ, SPLITSERVE_NUM_THREADS=str(threads))
-    procs, ctx_urls, gen_urls = [], [], []
+    children = []
     for i in range(n):
         role = "ctx" if i < args.num_ctx else "gen"
         port = args.port + 1 + i
-        procs.append(subprocess.Popen(worker_command(args, role, port), env=env))
-        (ctx_urls if role == "ctx" else gen_urls).append(f"http://{args.host}:{port}")
-    return procs, ctx_urls, gen_urls
+        children.append(WorkerChild(role, f"http://{args.host}:{port}",
+                                    worker_command(args, role, port), env))
+    return children
 
 
 def wait_healthy(procs, urls, timeout: float) -> None:
@@ -83,23 +85,21 @@ def banner(config: ClusterConfig) -> str:
             f"France?\"}}], \"max_tokens\": 32, \"temperature\": 0}}'\n")
 
 
-def _worker_died(procs: list[subprocess.Popen]) -> bool:
-    if any(p.poll() is not None for p in procs):
-        logger.error("up: a worker exited; stopping the cluster")
-        return True
-    return False
-
-
 def up(args) -> int:
-    procs, ctx_urls, gen_urls = start_workers(args)
+    children = start_workers(args)
+    supervisor = Supervisor(children)
     # Signals during startup must still stop the children.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
-        wait_healthy(procs, ctx_urls + gen_urls, args.start_timeout)
-        config = ClusterConfig(PoolConfig(tuple(ctx_urls), args.ctx_router),
-                               PoolConfig(tuple(gen_urls), args.gen_router),
-                               host=args.host, port=args.port)
-        asyncio.run(run_orchestrator(config, lambda: _worker_died(procs), banner(config)))
+        wait_healthy(supervisor.processes(), [c.url for c in children], args.start_timeout)
+        urls = {role: tuple(c.url for c in children if c.role == role) for role in ("ctx", "gen")}
+        limits = {k: getattr(args, k) for k in ("max_in_flight", "first_byte_timeout",
+                                                "idle_timeout") if getattr(args, k) is not None}
+        config = ClusterConfig(PoolConfig(urls["ctx"], args.ctx_router),
+                               PoolConfig(urls["gen"], args.gen_router), host=args.host,
+                               port=args.port, **limits)
+        asyncio.run(run_orchestrator(config, banner=banner(config),
+                                     companion=lambda orch: supervisor.watch(orch.mark_down)))
         return 0
     except KeyboardInterrupt:
         return 0
@@ -107,4 +107,7 @@ def up(args) -> int:
         logger.error("up: %s", exc)
         return 1
     finally:
-        stop_workers(procs)
+        # Stopping: a second Ctrl-C must not leave workers behind unwaited for.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        stop_workers(supervisor.processes())

@@ -1,0 +1,101 @@
+"""GEN's answer to the client: its held first event, then its bytes as they arrive.
+
+Once bytes have reached the client the request cannot be tried again; a stream that breaks,
+stalls past idle_timeout or ends without `[DONE]` ends with an SSE error event and `[DONE]`,
+so the client always learns that its response is incomplete.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import aiohttp
+from aiohttp import web
+
+from splitserve.orchestrator.upstream import Held
+from splitserve.protocol.openai import DONE, sse_error
+
+logger = logging.getLogger(__name__)
+
+BROKE = "the generation worker stopped while streaming this response; it is incomplete"
+ENDED = "the generation worker ended this response early; it is incomplete"
+
+
+class _Broken(Exception):
+    """Reading GEN's stream failed (as opposed to writing to the client)."""
+
+
+class _IdleWatch:
+    """Ends a read of GEN's stream that waits longer than `idle` seconds, through the
+    enclosing asyncio.timeout. One timer per idle period, not one per chunk: a read only
+    notes when it started waiting."""
+
+    def __init__(self, deadline: asyncio.Timeout, idle: float):
+        self.deadline, self.idle = deadline, idle
+        self.loop = asyncio.get_running_loop()
+        self.waiting_since: float | None = None
+        self.timer = self.loop.call_at(self.loop.time() + idle, self._check)
+
+    def _check(self) -> None:
+        now = self.loop.time()
+        since = self.waiting_since
+        if since is not None and now - since >= self.idle:
+            self.deadline.reschedule(now)
+        else:
+            self.timer = self.loop.call_at((since or now) + self.idle, self._check)
+
+    async def read(self, content: aiohttp.StreamReader) -> bytes:
+        self.waiting_since = self.loop.time()
+        try:
+            return await content.readany()
+        except (aiohttp.ClientError, ConnectionError) as exc:
+            raise _Broken(repr(exc)) from None
+        finally:
+            self.waiting_since = None
+
+    def close(self) -> None:
+        self.timer.cancel()
+
+
+async def forward(request: web.Request, held: Held, idle: float) -> web.StreamResponse:
+    """Copy GEN's status, content type and body to the client; GEN's connection stays the
+    caller's to release."""
+    upstream = held.response
+    ctype = upstream.headers.get("Content-Type", "application/json")
+    if not held.streaming:
+        return web.Response(status=upstream.status, body=held.head, headers={"Content-Type": ctype})
+    resp = web.StreamResponse(status=upstream.status,
+                              headers={"Content-Type": ctype, "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    await resp.write(held.head)
+    problem = await _copy(upstream.content, resp, idle, held.head)
+    if problem is not None:
+        await resp.write(sse_error(problem) + DONE)
+    await resp.write_eof()
+    return resp
+
+
+async def _copy(content: aiohttp.StreamReader, resp: web.StreamResponse, idle: float,
+                last: bytes) -> str | None:
+    """GEN's bytes to the client until GEN's end; what went wrong, in the client's terms."""
+    try:
+        async with asyncio.timeout(None) as deadline:
+            watch = _IdleWatch(deadline, idle)
+            try:
+                while chunk := await watch.read(content):
+                    await resp.write(chunk)   # the client gone: raises, the handler ends
+                    # [DONE] may be split across chunks: keep enough of the end to see it
+                    last = chunk if len(chunk) >= len(DONE) else last[-len(DONE):] + chunk
+            finally:
+                watch.close()
+    except TimeoutError:
+        logger.warning("orch: generation stream idle for %.0f s; ending it", idle)
+        return f"the generation worker sent nothing for {idle:g} s; this response is incomplete"
+    except _Broken as exc:
+        logger.warning("orch: generation stream broke: %s", exc)
+        return BROKE
+    if not last.endswith(DONE):
+        logger.warning("orch: generation stream ended without [DONE]")
+        return ENDED
+    return None

@@ -1,0 +1,91 @@
+"""`splitserve up`'s workers: child processes restarted when they exit, while the
+orchestrator and the other workers keep serving.
+
+A worker that exits is started again after a delay that doubles with each exit (1 s up to
+30 s), back to 1 s once it has run for a minute: a worker that cannot start does not spin.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import subprocess
+import time
+from typing import Callable
+
+logger = logging.getLogger(__name__)
+
+BACKOFF_MIN, BACKOFF_MAX = 1.0, 30.0
+STABLE_AFTER = 60.0   # seconds of running that reset the backoff
+POLL_INTERVAL = 0.25
+
+
+class WorkerChild:
+    """One worker: its command, its current process, its restart schedule."""
+
+    def __init__(self, role: str, url: str, cmd: list[str], env: dict):
+        self.role, self.url, self.cmd, self.env = role, url, cmd, env
+        self.backoff = BACKOFF_MIN
+        self.restart_at: float | None = None
+        self.start()
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(self.cmd, env=self.env)
+        self.started = time.monotonic()
+
+    def __str__(self) -> str:
+        return f"{self.role} worker {self.url}"
+
+
+def describe_exit(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            return f"was killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"was killed by signal {-returncode}"
+    return f"exited with code {returncode}"
+
+
+class Supervisor:
+    def __init__(self, children: list[WorkerChild]):
+        self.children = children
+
+    async def watch(self, on_exit: Callable[[str], None]) -> None:
+        """Restart exited workers until cancelled; on_exit(url) as soon as one exits."""
+        while True:
+            for child in self.children:
+                try:
+                    self._tend(child, on_exit)
+                except OSError as exc:    # could not start it: try again later
+                    logger.error("up: starting %s failed: %s", child, exc)
+                    self._schedule(child, time.monotonic())
+            await asyncio.sleep(POLL_INTERVAL)
+
+    def _tend(self, child: WorkerChild, on_exit: Callable[[str], None]) -> None:
+        now = time.monotonic()
+        if child.restart_at is None:
+            if child.proc.poll() is None:
+                return
+            if now - child.started >= STABLE_AFTER:
+                child.backoff = BACKOFF_MIN
+            delay = self._schedule(child, now)
+            logger.error("up: %s (pid %d) %s; restarting it in %.0f s (at %s)", child,
+                         child.proc.pid, describe_exit(child.proc.returncode), delay,
+                         time.strftime("%H:%M:%S", time.localtime(time.time() + delay)))
+            on_exit(child.url)
+        elif now >= child.restart_at:
+            child.restart_at = None
+            child.start()
+            logger.warning("up: %s restarted (pid %d); it serves again once healthy", child,
+                           child.proc.pid)
+
+    @staticmethod
+    def _schedule(child: WorkerChild, now: float) -> float:
+        delay = child.backoff
+        child.backoff = min(delay * 2, BACKOFF_MAX)
+        child.restart_at = now + delay
+        return delay
+
+    def processes(self) -> list[subprocess.Popen]:
+        return [c.proc for c in self.children]

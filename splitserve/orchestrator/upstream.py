@@ -1,0 +1,123 @@
+"""One try of one request on one worker, up to the moment something could reach the client.
+
+A CTX answer is whole; a GEN answer is held until its first SSE event (or its whole body)
+has arrived, so a try that fails before then is safe to run again elsewhere. What failed
+is said with `Retry` (another server may serve it) or `TimedOut` (not retried: the worker
+may still be working on it, and a second try would double its load).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass
+
+import aiohttp
+import orjson
+
+from splitserve.orchestrator.relay import SSE
+
+_EVENT_END = b"\n\n"
+
+
+class Retry(Exception):
+    """This try failed before anything reached the client. reason: a metric label;
+    down: the server is not there at all (refused or never connected): stop routing to it
+    until its health check passes again."""
+
+    def __init__(self, reason: str, detail: str, down: bool = False):
+        super().__init__(detail)
+        self.reason, self.down = reason, down
+
+
+class TimedOut(Exception):
+    """The worker did not answer within first_byte_timeout."""
+
+
+@dataclass
+class Held:
+    """A GEN response whose first event (or, unless it streams, whole body) is in hand and
+    nothing of it sent to the client yet. The caller releases `response`."""
+    response: aiohttp.ClientResponse
+    head: bytes
+
+    @property
+    def streaming(self) -> bool:
+        return self.response.content_type == SSE
+
+
+@contextlib.contextmanager
+def _failures():
+    """aiohttp's errors as what the retry loop needs to know."""
+    try:
+        yield
+    except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
+        raise Retry("unreachable", f"could not connect: {exc}", down=True) from None
+    except TimeoutError:   # asyncio.timeout's: the first byte took too long
+        raise TimedOut() from None
+    except (aiohttp.ClientError, ConnectionError) as exc:
+        raise Retry("disconnected", f"connection lost before the answer: {exc!r}") from None
+
+
+def _headers() -> dict:
+    # The receiver measures its preprocessing from the moment we wrote the request.
+    return {"Content-Type": "application/json", "X-Sent-At": repr(time.time())}
+
+
+async def post_json(session: aiohttp.ClientSession, url: str, data: bytes,
+                    first_byte_timeout: float) -> tuple[int, dict]:
+    """A whole JSON answer (CTX): (status, body). 5xx and unreadable answers are Retry."""
+    with _failures():
+        async with asyncio.timeout(first_byte_timeout):
+            async with session.post(url, data=data, headers=_headers()) as r:
+                status, raw = r.status, await r.read()
+    if status >= 500:
+        raise Retry("server_error", f"answered {status}: {raw[:200]!r}")
+    try:
+        return status, orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        raise Retry("server_error", f"answered {status} with a body that is not JSON") from None
+
+
+async def open_generation(session: aiohttp.ClientSession, url: str, data: bytes,
+                          first_byte_timeout: float) -> Held:
+    """Send to a GEN and hold its answer until the first event. 5xx, a stream whose first
+    event is a server error, and a stream that ends before its first event are Retry."""
+    r = None
+    try:
+        with _failures():
+            async with asyncio.timeout(first_byte_timeout):
+                r = await session.post(url, data=data, headers=_headers())
+                held = Held(r, b"")
+                held.head = await (_first_event(r) if held.streaming else r.read())
+        _check(held)
+        return held
+    except BaseException:
+        if r is not None:
+            r.close()    # the worker sees the connection go and aborts the request
+        raise
+
+
+async def _first_event(r: aiohttp.ClientResponse) -> bytes:
+    buf = b""
+    while _EVENT_END not in buf:
+        chunk = await r.content.readany()
+        if not chunk:
+            raise Retry("disconnected", "the stream ended before its first event")
+        buf += chunk
+    return buf
+
+
+def _check(held: Held) -> None:
+    status = held.response.status
+    if status >= 500:
+        raise Retry("server_error", f"answered {status}: {held.head[:200]!r}")
+    if held.streaming and held.head.startswith(b'data: {"error"'):
+        try:
+            error = orjson.loads(held.head[6:held.head.index(_EVENT_END)]).get("error") or {}
+        except (orjson.JSONDecodeError, AttributeError):
+            error = {}
+        # A request the worker rejects would be rejected anywhere: it goes to the client.
+        if error.get("type") != "invalid_request_error":
+            raise Retry("error_event", f"first event is an error: {error.get('message')!r}")

@@ -1,0 +1,248 @@
+"""Faults injected into a real cluster (orchestrator, CTX and GEN worker processes, tiny
+model): workers killed with SIGKILL before, during and after their part of a request, engines
+stalled with SIGSTOP to hold a request at a known point, and load past max_in_flight.
+After each, every live worker's KV blocks are free again."""
+
+import concurrent.futures
+import contextlib
+import http.client
+import json
+import os
+import re
+import signal
+import urllib.error
+import urllib.request
+
+import pytest
+
+from server_utils import (Orchestrator, UpCluster, Worker, descendants, engine_pid, get, metrics,
+                          post, stream, wait_for, wait_kv_free)
+
+MODEL = ("--model", "tiny-random", "--dtype", "float32")
+BODY = {"model": "tiny-random", "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0}
+LONG = {**BODY, "max_tokens": 4000, "ignore_eos": True}
+INTERNAL = re.compile(r"aiohttp|Error\(|http://|tcp://|Traceback", re.I)
+
+
+def kill(worker) -> None:
+    """SIGKILL a worker's front-end and its engine (a stopped engine would not notice)."""
+    engine = engine_pid(worker)
+    worker.proc.send_signal(signal.SIGKILL)
+    worker.proc.wait()
+    with contextlib.suppress(ProcessLookupError):   # it may have noticed and gone
+        os.kill(engine, signal.SIGKILL)
+
+
+def stall(worker) -> int:
+    """SIGSTOP the worker's engine: its front-end still takes requests and answers /health."""
+    pid = engine_pid(worker)
+    os.kill(pid, signal.SIGSTOP)
+    return pid
+
+
+def relayed(worker) -> float:
+    """generation_only requests this GEN front-end has taken."""
+    return sum(v for k, v in metrics(worker.url).items()
+               if k.startswith("splitserve_token_relay_total"))
+
+
+def retries(orch, pool: str, reason: str) -> float:
+    key = f'splitserve_orchestrator_retries_total{{pool="{pool}",reason="{reason}"}}'
+    return metrics(orch.url).get(key, 0.0)
+
+
+def text_of(events) -> str:
+    assert events[-1] == "[DONE]", events[-3:]
+    assert not any("error" in e for e in events[:-1]), events
+    return "".join(c["text"] for e in events[:-1] for c in e["choices"])
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    """build(n_ctx, n_gen, ctx_args, gen_args, **orchestrator config) -> (ctxs, gens, orch);
+    everything it started is stopped at the end, whatever failed."""
+    started, pool = [], concurrent.futures.ThreadPoolExecutor(2)
+
+    def start(make, *args, **kwargs):
+        started.append(make(*args, **kwargs))
+        return started[-1]
+
+    def build(n_ctx=1, n_gen=1, ctx_args=(), gen_args=(), **config):
+        ctxs = [start(Worker, *MODEL, "--role", "ctx", *ctx_args) for _ in range(n_ctx)]
+        gens = [start(Worker, *MODEL, "--role", "gen", *gen_args) for _ in range(n_gen)]
+        orch = start(Orchestrator, tmp_path, [c.url for c in ctxs], [g.url for g in gens],
+                     **config)
+        return ctxs, gens, orch
+    build.submit = pool.submit
+    yield build
+    for p in reversed(started):
+        for pid in descendants(p.proc.pid):      # a stalled engine cannot stop itself
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        p.close()
+    pool.shutdown(cancel_futures=True)
+
+
+def test_gen_killed_before_its_first_event_is_retried_on_another_gen(cluster):
+    (ctx,), gens, orch = cluster(1, 2, ("--kv-lease-seconds", "3"))
+    want = post(gens[0].url + "/v1/completions", BODY)[1]["choices"][0]["text"]
+    engines = [stall(g) for g in gens]
+    pending = cluster.submit(stream, orch.url + "/v1/completions", BODY)
+    wait_for(lambda: any(relayed(g) for g in gens), 60, "a GEN holds the request")
+    victim = 0 if relayed(gens[0]) else 1
+    kill(gens[victim])
+    os.kill(engines[1 - victim], signal.SIGCONT)
+    assert text_of(pending.result(120)) == want
+    assert retries(orch, "gen", "disconnected") == 1
+    wait_kv_free([ctx.url, gens[1 - victim].url])    # the first prefill's lease expires
+
+
+def test_gen_killed_mid_stream_ends_the_stream_with_an_error(cluster):
+    (ctx,), gens, orch = cluster(1, 2, ("--kv-lease-seconds", "3"))
+    conn, resp = open_stream(orch.port, LONG)
+    assert resp.status == 200
+    assert "choices" in read_events(resp, 2)[0]
+    victim = 0 if relayed(gens[0]) else 1
+    kill(gens[victim])
+    rest = read_events(resp)
+    conn.close()
+    assert rest[-1] == "[DONE]"
+    error = rest[-2]["error"]
+    assert "stopped while streaming this response" in error["message"]
+    assert error["type"] == "server_error" and not INTERNAL.search(error["message"])
+    for _ in range(3):     # the other GEN keeps serving
+        assert post(orch.url + "/v1/completions", BODY)[0] == 200
+    assert retries(orch, "gen", "disconnected") == 0    # nothing after the first byte
+    wait_kv_free([ctx.url, gens[1 - victim].url])
+
+
+@pytest.mark.parametrize("streamed, reason", [(False, "server_error"), (True, "error_event")])
+def test_ctx_killed_after_its_prefill_is_retried_with_a_fresh_prefill(cluster, streamed, reason):
+    """GEN's pull from the dead CTX fails: it answers 500, or streams an error as its first
+    event; either way nothing reached the client, and the request prefills again."""
+    ctxs, (gen,), orch = cluster(2, 1, gen_args=("--kv-timeout", "3"))
+    want = post(gen.url + "/v1/completions", BODY)[1]["choices"][0]["text"]
+    engine = stall(gen)
+    url = orch.url + "/v1/completions"
+    pending = cluster.submit(stream, url, BODY) if streamed else cluster.submit(post, url, BODY)
+    wait_for(lambda: relayed(gen), 60, "the GEN holds the request")
+    leased = [metrics(c.url)["splitserve_kv_blocks_leased"] > 0 for c in ctxs]
+    assert sum(leased) == 1
+    victim = leased.index(True)
+    kill(ctxs[victim])
+    os.kill(engine, signal.SIGCONT)
+    if streamed:
+        assert text_of(pending.result(120)) == want
+    else:
+        status, got = pending.result(120)
+        assert status == 200 and got["choices"][0]["text"] == want
+    assert retries(orch, "gen", reason) == 1
+    wait_kv_free([ctxs[1 - victim].url, gen.url])
+
+
+def test_shedding_past_max_in_flight(cluster):
+    (ctx,), (gen,), orch = cluster(max_in_flight=2)
+    engine = stall(gen)
+    held = [cluster.submit(stream, orch.url + "/v1/completions", BODY) for _ in range(2)]
+    in_flight = "splitserve_orchestrator_requests_in_flight"
+    wait_for(lambda: metrics(orch.url)[in_flight] == 2, 60, "two requests in flight")
+    status, headers, body = raw_post(orch.url + "/v1/completions", BODY)
+    assert status == 503 and int(headers["Retry-After"]) >= 1
+    assert "at capacity" in body["error"]["message"]
+    os.kill(engine, signal.SIGCONT)
+    for f in held:
+        assert text_of(f.result(120))
+    assert post(orch.url + "/v1/completions", BODY)[0] == 200
+    wait_kv_free([ctx.url, gen.url])
+
+
+def test_timeouts_bound_each_wait_not_the_whole_stream(cluster):
+    (ctx,), (gen,), orch = cluster(ctx_args=("--kv-lease-seconds", "3"), first_byte_timeout=2,
+                                   idle_timeout=2)
+    # ~4 s on the tiny model: a stream outlives both timeouts (aiohttp's total ended it)
+    assert text_of(stream(orch.url + "/v1/completions", {**LONG, "max_tokens": 2000}))
+    engine = stall(gen)
+    status, err = post(orch.url + "/v1/completions", BODY)     # no first byte in 2 s
+    assert status == 504 and err["error"]["message"] == \
+        "the generation worker did not answer within 2 s"
+    os.kill(engine, signal.SIGCONT)
+    conn, resp = open_stream(orch.port, LONG)
+    assert "choices" in read_events(resp, 2)[0]
+    os.kill(engine, signal.SIGSTOP)       # the stream stalls mid-way
+    rest = read_events(resp)
+    conn.close()
+    os.kill(engine, signal.SIGCONT)
+    assert rest[-1] == "[DONE]" and "sent nothing for 2 s" in rest[-2]["error"]["message"]
+    assert sum(v for k, v in metrics(orch.url).items() if "retries_total" in k) == 0
+    wait_kv_free([ctx.url, gen.url])
+
+
+def test_up_restarts_a_killed_worker(tmp_path):
+    log = tmp_path / "up.log"
+    up = UpCluster(*MODEL, "--num-gen", "2", log=log, log_level="INFO")
+    gen_url, port = f"http://127.0.0.1:{up.port + 3}", up.port + 3
+    try:
+        victim = _worker_pid(up.proc.pid, port)
+        os.kill(victim, signal.SIGKILL)
+        for _ in range(4):    # meanwhile: routed around the dead GEN
+            assert post(up.url + "/v1/completions", BODY)[0] == 200
+        wait_for(lambda: _worker_pid(up.proc.pid, port, victim) and _gens_healthy(up.url) == 2,
+                 180, "the GEN restarted and healthy again")
+        text = log.read_text()
+        assert re.search(rf"gen worker {gen_url} \(pid {victim}\) was killed by SIGKILL; "
+                         r"restarting it in 1 s", text), text[-3000:]
+        assert f"gen worker {gen_url} restarted" in text
+        assert f"gen server {gen_url} is up" in text
+        for _ in range(4):    # afterwards: both GENs serve
+            assert post(up.url + "/v1/completions", BODY)[0] == 200
+        wait_kv_free([f"http://127.0.0.1:{up.port + i}" for i in (1, 2, 3)])
+        up.interrupt()
+    finally:
+        up.close()
+
+
+def _gens_healthy(url: str) -> int:
+    return len(json.loads(get(url + "/health")[1])["healthy"]["gen"])
+
+
+def _worker_pid(parent: int, port: int, not_pid: int | None = None) -> int | None:
+    """The pid of `up`'s worker child serving on `port` (other than not_pid)."""
+    for pid in descendants(parent):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"serve" in cmd and str(port).encode() in cmd and pid != not_pid:
+            return pid
+    return None
+
+
+def open_stream(port: int, body: dict):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    conn.request("POST", "/v1/completions", json.dumps({**body, "stream": True}),
+                 {"Content-Type": "application/json"})
+    return conn, conn.getresponse()
+
+
+def read_events(resp, n: int | None = None) -> list:
+    """The next n SSE events (all, to the end of the stream, if n is None)."""
+    events = []
+    while n is None or len(events) < n:
+        line = resp.readline()
+        if not line:
+            break
+        if line.startswith(b"data: "):
+            payload = line[6:].strip()
+            events.append("[DONE]" if payload == b"[DONE]" else json.loads(payload))
+    return events
+
+
+def raw_post(url: str, body: dict) -> tuple[int, dict, dict]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, dict(r.headers), json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), json.loads(e.read())
