@@ -26,6 +26,12 @@ class DisaggregatedParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     token_relay: TokenRelay | None = None
     prompt_token_ids: list[int] | None = None  # list: the prompt as JSON ints
     prompt_token_ids_b64: str | None = None    # b64: little-endian int32, base64
+    # Mid-stream migration (orchestrator/migrate.py). stream_token_ids: tag each SSE event
+    # with the token ids it carries, as a comment line (`: ids 1 2 3`) the orchestrator
+    # strips; resume_token_ids: output already streamed from a worker that failed; this
+    # (aggregated) request continues after it.
+    stream_token_ids: bool | None = None
+    resume_token_ids: list[int] | None = None
 
     def __post_init__(self):
         _check(self.ctx_request_id is None or self.ctx_request_id != "",
@@ -37,6 +43,12 @@ class DisaggregatedParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                    "first_gen_tokens")
             _check(min(self.first_gen_tokens) >= 0, "first_gen_tokens must be token ids (>= 0)",
                    "first_gen_tokens")
+
+    def check_resume(self) -> None:
+        _check(self.request_type is None, "resume_token_ids is for an aggregated request",
+               "resume_token_ids")
+        _check(bool(self.resume_token_ids), "resume_token_ids must not be empty",
+               "resume_token_ids")
 
     def check_generation_only(self) -> None:
         """A generation_only request must say where its KV is and what came first."""
