@@ -67,13 +67,16 @@ class EngineCore:
     # -- requests in ----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: PromptTokens, params: SamplingParams,
                     context_only: bool = False, remote: RemotePrefill | None = None,
-                    received_time: float | None = None, stream: bool = True) -> None:
+                    received_time: float | None = None, stream: bool = True,
+                    resumed: np.ndarray | None = None) -> None:
         """Validate and queue; raises InvalidRequestError naming the problem. Any other
         failure ends the request with an error delta from the next step().
         context_only: stop after the first token and lease the KV to a generation worker.
         remote: the prompt's KV is pulled from a context worker instead of computed.
         stream=False: each sequence yields one delta, when it finishes, holding everything it
-        generated (its first-token fields and first_token_time included)."""
+        generated (its first-token fields and first_token_time included).
+        resumed: output tokens another worker already streamed (mid-stream migration): they
+        are recomputed with the prompt and the request continues after them."""
         if request_id in self.groups:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         self._validate(prompt, params)
@@ -83,8 +86,11 @@ class EngineCore:
             self.remote_kv.check(remote, len(prompt), self.model_config.vocab_size)
         if prompt.is_placeholder:
             self._check_length_only(params, remote)
+        if resumed is not None:
+            self._check_resumed(prompt, params, resumed, context_only or remote is not None)
         try:
-            self._admit(request_id, prompt, params, context_only, remote, received_time, stream)
+            self._admit(request_id, prompt, params, context_only, remote, received_time, stream,
+                        resumed)
         except Exception:   # a bug admitting one request ends that request, not the engine
             logger.exception("engine: admitting request %s failed", request_id)
             self._discard_group(request_id)
@@ -94,7 +100,7 @@ class EngineCore:
 
     def _admit(self, request_id: str, prompt: PromptTokens, params: SamplingParams,
                context_only: bool, remote: RemotePrefill | None, received_time: float | None,
-               stream: bool) -> None:
+               stream: bool, resumed: np.ndarray | None) -> None:
         eos = () if params.ignore_eos else self.model_config.eos_token_ids
         children = self.groups[request_id] = []
         for i in range(params.n):
@@ -109,6 +115,8 @@ class EngineCore:
                 self.final_only[id(req)] = None
         leader, siblings = children[0], children[1:]
         leader.context_only, leader.remote = context_only, remote
+        if resumed is not None:
+            self._resume(leader, resumed)
         for s in siblings:
             s.status = RequestStatus.WAITING_FOR_FORK
         leader.siblings = siblings
@@ -145,6 +153,29 @@ class EngineCore:
         if readers:
             raise InvalidRequestError(f"{', '.join(readers)} read prompt token values, which a "
                                       f"length-only prompt does not have", readers[0])
+
+    def _check_resumed(self, prompt: PromptTokens, params: SamplingParams, resumed: np.ndarray,
+                       disaggregated: bool) -> None:
+        param = "disaggregated_params.resume_token_ids"
+        if disaggregated or params.n > 1 or prompt.is_placeholder:
+            raise InvalidRequestError("a resumed request is an aggregated n = 1 request with "
+                                      "its prompt's token values", param)
+        if len(resumed) == 0 or int(resumed.min()) < 0 or int(resumed.max()) >= self.model_config.vocab_size:
+            raise InvalidRequestError("resume_token_ids must be token ids of this vocabulary", param)
+        if len(prompt) + len(resumed) >= self.max_model_len:
+            raise InvalidRequestError("the prompt and resume_token_ids fill the model's context",
+                                      param)
+        if params.max_tokens is not None and len(resumed) >= params.max_tokens:
+            raise InvalidRequestError("resume_token_ids already reach max_tokens", param)
+
+    def _resume(self, req: Request, resumed: np.ndarray) -> None:
+        """The sequence continues after tokens streamed elsewhere: they count as its output
+        (max_tokens, penalties, stop strings) and are prefilled with the prompt, as after a
+        preemption. Their text was sent already: the detokenizer reads it without emitting,
+        so text it held back (a possible stop string) comes out as it would have."""
+        req.output_token_ids = resumed.tolist()
+        req.num_resumed_tokens = len(req.output_token_ids)
+        self._detokenizer(req).step(req.output_token_ids)
 
     def abort_request(self, request_id: str) -> None:
         for req in self.groups.get(request_id, ()):
@@ -309,7 +340,7 @@ class EngineCore:
         return True
 
     def _append_token(self, req: Request, token: int, logprob, out: list[CompletionDelta]) -> None:
-        first = req.num_output_tokens == 0
+        first = req.num_output_tokens == req.num_resumed_tokens
         req.output_token_ids.append(token)
         delta = CompletionDelta(req.group_id, req.index, [token], "",
                                 logprobs=None if logprob is None else [logprob])

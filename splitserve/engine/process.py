@@ -153,8 +153,16 @@ def _add(engine: EngineCore, msg, frame, received: float, deltas: list[Completio
             if len(prompt) != msg.prompt_len:
                 raise InvalidRequestError(f"prompt_len {msg.prompt_len} does not match the "
                                           f"{len(prompt)} prompt tokens sent", "prompt_len")
+        resumed = None
+        if msg.num_resumed:
+            if not 0 < msg.num_resumed < len(prompt):
+                raise InvalidRequestError("num_resumed must be less than the tokens sent",
+                                          "disaggregated_params.resume_token_ids")
+            split = len(prompt) - msg.num_resumed
+            prompt, resumed = PromptTokens(prompt.array[:split]), prompt.array[split:]
         engine.add_request(msg.request_id, prompt, msg.params, context_only=msg.context_only,
-                           remote=msg.remote, received_time=received, stream=msg.stream)
+                           remote=msg.remote, received_time=received, stream=msg.stream,
+                           resumed=resumed)
     except InvalidRequestError as exc:
         deltas.append(_rejected(msg.request_id, exc))
 

@@ -80,6 +80,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.first_scheduled_time: float | None = None   # for queue-time metrics
         self.output_token_ids: list[int] = []
+        self.num_resumed_tokens = 0      # outputs streamed by another worker before a migration
         self.num_computed_tokens = 0     # tokens whose KV is in this request's blocks
         self.num_cached_tokens = 0       # prompt tokens served from the prefix cache
         self.block_ids: np.ndarray = NO_BLOCKS

@@ -31,6 +31,12 @@ class DisaggregatedParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     token_relay: TokenRelay | None = None
     prompt_token_ids: list[int] | None = None  # list: the prompt as JSON ints
     prompt_token_ids_b64: str | None = None    # b64: little-endian int32, base64
+    # Mid-stream migration (orchestrator/migrate.py). stream_token_ids: tag each SSE event
+    # with the token ids it carries, as a comment line (`: ids 1 2 3`) the orchestrator
+    # strips; resume_token_ids: output already streamed from a worker that failed; this
+    # (aggregated) request continues after it.
+    stream_token_ids: bool | None = None
+    resume_token_ids: list[int] | None = None
 
     def __post_init__(self):
         _check(self.ctx_request_id is None or 0 < len(self.ctx_request_id) <= MAX_ID_LEN,
@@ -46,6 +52,14 @@ class DisaggregatedParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             _check_logprobs(self.first_gen_logprobs, len(self.first_gen_tokens or ()))
         if self.prompt_token_ids:
             _check_ids(self.prompt_token_ids, "prompt_token_ids")
+        if self.resume_token_ids:
+            _check_ids(self.resume_token_ids, "resume_token_ids")
+
+    def check_resume(self) -> None:
+        _check(self.request_type is None, "resume_token_ids is for an aggregated request",
+               "resume_token_ids")
+        _check(bool(self.resume_token_ids), "resume_token_ids must not be empty",
+               "resume_token_ids")
 
     def check_generation_only(self) -> None:
         """A generation_only request must say where its KV is and what came first."""

@@ -86,6 +86,9 @@ class AddRequest(msgspec.Struct, gc=False):
     context_only: bool = False         # prefill, sample one token, lease the KV for a GEN
     remote: RemotePrefill | None = None   # generation_only: pull the KV, then decode
     stream: bool = True                # False: one delta per sequence, when it finishes
+    # Mid-stream migration: the last num_resumed of the prompt_len tokens sent are output a
+    # response already streamed from another worker; the request continues after them.
+    num_resumed: int = 0
 
 
 class AddRequests(msgspec.Struct, tag="add"):

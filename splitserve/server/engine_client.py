@@ -210,15 +210,20 @@ class EngineClient:
     # -- requests -------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt: PromptTokens, params: SamplingParams,
                        context_only: bool = False, remote: RemotePrefill | None = None,
-                       stream: bool = True) -> AsyncIterator[CompletionDelta]:
+                       stream: bool = True,
+                       resumed: PromptTokens | None = None) -> AsyncIterator[CompletionDelta]:
         """Yields the request's deltas until all n sequences finished; stream=False yields
         them in bursts, when a sequence finishes. Leaving early (the client went away, the
-        task was cancelled) aborts the request in the engine."""
+        task was cancelled) aborts the request in the engine. resumed: output tokens already
+        streamed by another worker (mid-stream migration); they ride after the prompt."""
         self.check_available()
         q = self.queues[request_id] = DeltaQueue(eager=stream)
-        msg = AddRequest(request_id, params, len(prompt), prompt.is_placeholder, context_only,
-                         remote, stream)
         frame = b"" if prompt.is_placeholder else memoryview(prompt.array).cast("B")
+        n_resumed = 0 if resumed is None else len(resumed)
+        if n_resumed:
+            frame = bytes(frame) + memoryview(resumed.array).cast("B")
+        msg = AddRequest(request_id, params, len(prompt) + n_resumed, prompt.is_placeholder,
+                         context_only, remote, stream, n_resumed)
         open_seqs = params.n
         try:
             self._submit(msg, frame)

@@ -114,7 +114,9 @@ class GenerateHandlers:
         chat = isinstance(req, ChatCompletionRequest)
         rid = response_id(chat)
         kwargs = dict(token_text=self.server.token_text, echo=echo, request_id=rid)
-        deltas = self._merged(rid, prompts, params, context_only, remote, bool(req.stream))
+        resumed = _resumed(req, prompts, params)
+        deltas = self._merged(rid, prompts, params, context_only, remote, bool(req.stream),
+                              resumed)
         observe = _Observer(self.server.metrics, arrival, remote is not None)
         if req.stream:
             return await self._stream(request, req, deltas, observe, kwargs)
@@ -142,12 +144,15 @@ class GenerateHandlers:
         """The head goes out first; whatever fails after it (the engine died, a bug) ends
         the stream with an error event and [DONE], never a silent close."""
         enc = StreamEncoder(req, self.server.model_name, **kwargs)
+        tag_ids = bool(req.disaggregated_params and req.disaggregated_params.stream_token_ids)
         resp = request.stream(SSE_HEADERS)
         try:
             async with aclosing(deltas):
                 async for i, delta in deltas:
                     observe(i, delta)
                     chunk = enc.chunk(delta, i)
+                    if tag_ids and delta.token_ids:
+                        chunk = token_ids_comment(delta.token_ids) + chunk
                     if chunk:
                         await resp.write(chunk)
                     if delta.error is not None:
@@ -167,12 +172,13 @@ class GenerateHandlers:
 
     async def _merged(self, rid: str, prompts: list[PromptTokens], params: SamplingParams,
                       context_only: bool = False, remote=None,
-                      stream: bool = True) -> AsyncIterator[tuple[int, CompletionDelta]]:
+                      stream: bool = True,
+                      resumed: PromptTokens | None = None) -> AsyncIterator[tuple[int, CompletionDelta]]:
         """(prompt index, delta) of every prompt's engine request, as they come."""
         engine = self.server.engine
         if len(prompts) == 1:
             async for delta in engine.generate(rid, prompts[0], params, context_only, remote,
-                                               stream):
+                                               stream, resumed):
                 yield 0, delta
             return
         q: asyncio.Queue = asyncio.Queue()
@@ -277,6 +283,24 @@ def _relayed_prompt(req, params: SamplingParams) -> tuple[list[PromptTokens], Re
         raise InvalidRequestError(f"prompt_len {dp.prompt_len} disagrees with the {len(prompt)} "
                                   f"relayed prompt tokens", "disaggregated_params.prompt_len")
     return [prompt], RemotePrefill(dp.kv_handle, dp.first_gen_tokens, dp.first_gen_logprobs), mode
+
+
+def _resumed(req, prompts: list[PromptTokens], params: SamplingParams) -> PromptTokens | None:
+    """Mid-stream migration: the output another worker streamed before it failed."""
+    dp = req.disaggregated_params
+    if dp is None or dp.resume_token_ids is None:
+        return None
+    dp.check_resume()
+    if len(prompts) > 1 or params.n > 1 or getattr(req, "echo", False):
+        raise InvalidRequestError("a resumed request takes one prompt, n = 1 and no echo",
+                                  "disaggregated_params.resume_token_ids")
+    return PromptTokens.from_list(dp.resume_token_ids)
+
+
+def token_ids_comment(token_ids: list[int]) -> bytes:
+    """An SSE comment naming the tokens of the event after it (stream_token_ids): clients
+    ignore comments; the orchestrator reads and strips them to migrate a broken stream."""
+    return b": ids " + " ".join(map(str, token_ids)).encode() + b"\n\n"
 
 
 def _relay_fields(relay: str | None, prompt: PromptTokens) -> dict:

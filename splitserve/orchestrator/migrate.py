@@ -1,0 +1,122 @@
+"""Mid-stream migration: a generation worker that dies while streaming is replaced by another,
+which continues the response after the tokens the client already has.
+
+The orchestrator asks GEN to tag each SSE event with its token ids (`stream_token_ids`: a
+comment line `: ids 1 2 3` before the event). `StreamTap` strips those comments from what
+reaches the client and keeps the ids. When the stream breaks, `resume_body` is the client's
+original request plus `resume_token_ids`: a worker recomputes prompt + those tokens (as after
+a preemption) and samples on from there, so greedy output equals an uninterrupted run.
+`Continuation` makes the new worker's events look like the rest of the first stream: same
+response id and created time, no second role chunk, usage counting every token.
+
+Only the continuation's events are decoded as JSON; the first stream costs a byte search per
+chunk (migration is rare, streaming is not).
+"""
+
+from __future__ import annotations
+
+import orjson
+
+IDS = b": ids "
+DONE = b"data: [DONE]"
+
+
+class StreamTap:
+    """Everything one response streamed so far, as far as migration needs to know."""
+
+    __slots__ = ("token_ids", "finished", "done", "first_event", "_rest")
+
+    def __init__(self):
+        self.token_ids: list[int] = []
+        self.finished = False          # an event carried a finish_reason
+        self.done = False              # [DONE] went out
+        self.first_event: bytes | None = None   # its id and created time, decoded if needed
+        self._rest = b""               # an unfinished event, held until its end arrives
+
+    def feed(self, chunk: bytes) -> bytes:
+        """GEN's bytes -> the bytes to send the client: whole events, ids comments removed."""
+        data = self._rest + chunk if self._rest else chunk
+        end = data.rfind(b"\n\n")
+        if end < 0:
+            self._rest = data
+            return b""
+        self._rest = data[end + 2:]
+        whole = data[:end + 2]
+        if IDS not in whole and self.first_event is not None:
+            self._note(whole)
+            return whole
+        kept = [e for e in whole[:-2].split(b"\n\n") if self._keep(e)]
+        return b"".join(e + b"\n\n" for e in kept)
+
+    def _keep(self, event: bytes) -> bool:
+        if event.startswith(IDS):
+            self.token_ids += map(int, event[len(IDS):].split())
+            return False
+        if self.first_event is None and event.startswith(b"data: {"):
+            self.first_event = event
+        self._note(event)
+        return True
+
+    def _note(self, events: bytes) -> None:
+        if b'"finish_reason":"' in events:
+            self.finished = True
+        if DONE in events:
+            self.done = True
+
+    def migratable(self, max_tokens: int | None) -> bool:
+        """Worth continuing elsewhere: it started, nothing finished, tokens remain."""
+        return (self.first_event is not None and not self.finished and not self.done
+                and (max_tokens is None or len(self.token_ids) < max_tokens))
+
+
+def resume_body(body: dict, token_ids: list[int]) -> dict:
+    """The client's request (prompt or messages included) continued after token_ids, as an
+    aggregated request: the worker prefills prompt + token_ids itself."""
+    out = {k: v for k, v in body.items() if k != "token_relay"}
+    out["stream"] = True
+    out["disaggregated_params"] = {"resume_token_ids": token_ids, "stream_token_ids": True}
+    return out
+
+
+def max_tokens(body: dict) -> int | None:
+    value = body.get("max_completion_tokens")
+    if value is None:
+        value = body.get("max_tokens", None if "messages" in body else 16)
+    return value if isinstance(value, int) else None
+
+
+class Continuation:
+    """Rewrites a resumed worker's events into the first stream's: its id and created time,
+    the chat role chunk dropped (the client has it), usage counting the tokens sent before."""
+
+    def __init__(self, tap: StreamTap):
+        first = orjson.loads(tap.first_event[len(b"data: "):])
+        self.id, self.created = first.get("id"), first.get("created")
+        self.tap = tap
+        self.earlier = len(tap.token_ids)
+        self.inner = StreamTap()
+
+    def feed(self, chunk: bytes) -> bytes:
+        out = []
+        events = self.inner.feed(chunk)
+        self.tap.token_ids[self.earlier:] = self.inner.token_ids
+        self.tap.finished, self.tap.done = self.inner.finished, self.inner.done
+        for event in events[:-2].split(b"\n\n") if events else ():
+            out.append(self._rewrite(event))
+        return b"".join(e + b"\n\n" for e in out if e)
+
+    def _rewrite(self, event: bytes) -> bytes:
+        if not event.startswith(b"data: {"):
+            return event
+        obj = orjson.loads(event[len(b"data: "):])
+        if "error" in obj:
+            return event
+        obj["id"], obj["created"] = self.id, self.created
+        choices = obj.get("choices") or []
+        if choices and choices[0].get("delta") == {"role": "assistant", "content": ""}:
+            return b""
+        usage = obj.get("usage")
+        if usage:
+            usage["completion_tokens"] = usage.get("completion_tokens", 0) + self.earlier
+            usage["total_tokens"] = usage.get("total_tokens", 0) + self.earlier
+        return b"data: " + orjson.dumps(obj)
