@@ -97,8 +97,32 @@ def test_gen_killed_before_its_first_event_is_retried_on_another_gen(cluster):
     wait_kv_free([ctx.url, gens[1 - victim].url])    # the first prefill's lease expires
 
 
-def test_gen_killed_mid_stream_ends_the_stream_with_an_error(cluster):
+def test_gen_killed_mid_stream_is_continued_on_another_gen(cluster):
+    """Mid-stream migration: the client's stream goes on from the tokens it already has and
+    ends exactly as an uninterrupted greedy run."""
     (ctx,), gens, orch = cluster(1, 2, ("--kv-lease-seconds", "3"))
+    body = {**BODY, "max_tokens": 1000, "ignore_eos": True}
+    want = text_of(stream(orch.url + "/v1/completions", body))
+    before = [relayed(g) for g in gens]
+    conn, resp = open_stream(orch.port, body)
+    assert resp.status == 200
+    head = read_events(resp, 2)
+    victim = 0 if relayed(gens[0]) > before[0] else 1
+    stall(gens[victim])          # hold it mid-stream, then kill it
+    kill(gens[victim])
+    rest = read_events(resp)
+    conn.close()
+    events = head + rest
+    assert text_of(events) == want
+    assert len({e["id"] for e in events[:-1]}) == 1
+    done = 'splitserve_orchestrator_migrations_total{outcome="completed"}'
+    wait_for(lambda: metrics(orch.url).get(done) == 1, 30, "the migration is counted")
+    assert retries(orch, "gen", "disconnected") == 0    # nothing retried after the first byte
+    wait_kv_free([ctx.url, gens[1 - victim].url])
+
+
+def test_gen_killed_mid_stream_without_migration_ends_with_an_error(cluster):
+    (ctx,), gens, orch = cluster(1, 2, ("--kv-lease-seconds", "3"), migrate_streams=False)
     conn, resp = open_stream(orch.port, LONG)
     assert resp.status == 200
     assert "choices" in read_events(resp, 2)[0]
@@ -232,6 +256,7 @@ def read_events(resp, n: int | None = None) -> list:
         line = resp.readline()
         if not line:
             break
+        assert not line.startswith(b":"), f"an internal comment reached the client: {line!r}"
         if line.startswith(b"data: "):
             payload = line[6:].strip()
             events.append("[DONE]" if payload == b"[DONE]" else json.loads(payload))

@@ -12,7 +12,7 @@ from aiohttp import web
 
 from splitserve.errors import InvalidRequestError
 from splitserve.gc_policy import ServingGC
-from splitserve.orchestrator import relay, stream, upstream
+from splitserve.orchestrator import migrate, relay, stream, upstream
 from splitserve.orchestrator.cluster import ClusterConfig, Server
 from splitserve.orchestrator.pools import ROLE, Pool, Tries
 from splitserve.server.config import LISTEN_BACKLOG
@@ -41,6 +41,9 @@ class OrchestratorMetrics:
                                           ("pool", "reason")))
         self.in_flight = r.register(Gauge(p + "requests_in_flight",
                                           "Client requests being served (past max_in_flight: 503)"))
+        self.migrations = r.register(Counter(p + "migrations_total",
+                                             "Broken streams continued on another generation "
+                                             "worker, by outcome", ("outcome",)))
         self.relay_modes = r.register(Counter(p + "token_relay_total",
                                               "Requests relayed to GEN, by token relay mode", ("mode",)))
 
@@ -100,18 +103,22 @@ class Orchestrator:
             ctx_data, gen_data = orjson.dumps(relay.context_body(body, mode)), None
             self.metrics.preprocessing.observe(time.time() - t0)
         tries = Tries(self.config.max_retries, self.metrics.retries)
+        migratable = not aggregated and body.get("stream") is True and self.config.migrate_streams
         while True:
             pool = self.gen if gen_data is not None else self.ctx
             server = tries.pick(pool, key)
             try:
                 if gen_data is not None:
-                    return await self._generate_on(server, request, gen_data)
+                    tap, carry_on = (self._migration(request.path, body, key,
+                                                     [*tries.failed["gen"], server])
+                                     if migratable else (None, None))
+                    return await self._generate_on(server, request, gen_data, tap, carry_on)
                 status, answer = await self._prefill(server, request.path, ctx_data)
                 params = answer.get("disaggregated_params") if status == 200 else None
                 if not params or not params.get("kv_handle"):
                     return _ctx_answer(body, status, answer)
                 ctx_done = time.time()
-                gen_data = orjson.dumps(relay.generation_body(body, params))
+                gen_data = orjson.dumps(relay.generation_body(body, params, migratable))
                 self.metrics.relay_modes.labels(mode).inc()
                 self.metrics.relay.observe(time.time() - ctx_done)
             except upstream.Retry as exc:
@@ -123,6 +130,14 @@ class Orchestrator:
                     f"the {ROLE[pool.name]} worker did not answer within "
                     f"{self.config.first_byte_timeout:g} s", 504, None) from None
 
+    def _migration(self, path: str, body: dict, key: bytes, avoid: list):
+        """(tap, carry_on) for stream.forward: a stream whose GEN breaks goes on elsewhere."""
+        tap = migrate.StreamTap()
+
+        async def carry_on(resp, problem: str) -> str | None:
+            return await migrate.carry_on(self, path, resp, tap, body, key, avoid, problem)
+        return tap, carry_on
+
     async def _prefill(self, server: Server, path: str, data: bytes) -> tuple[int, dict]:
         server.in_flight += 1
         t = time.time()
@@ -133,7 +148,8 @@ class Orchestrator:
             server.in_flight -= 1
             self.metrics.ctx.observe(time.time() - t)
 
-    async def _generate_on(self, server: Server, request, data: bytes) -> web.StreamResponse:
+    async def _generate_on(self, server: Server, request, data: bytes, tap=None,
+                           carry_on=None) -> web.StreamResponse:
         server.in_flight += 1
         try:
             t = time.time()
@@ -141,7 +157,7 @@ class Orchestrator:
                                                   self.config.first_byte_timeout)
             self.metrics.gen_first_byte.observe(time.time() - t)
             try:
-                resp = await stream.forward(request, held, self.config.idle_timeout)
+                resp = await stream.forward(request, held, self.config.idle_timeout, tap, carry_on)
             except BaseException:
                 held.response.close()    # GEN sees the connection go and aborts the request
                 raise

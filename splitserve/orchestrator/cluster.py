@@ -37,6 +37,9 @@ class ClusterConfig:
     max_retries: int = 2                # failed tries a request survives per pool
     # Past this many client requests in flight, answer 503 at once (the benchmarks hold 1024+).
     max_in_flight: int = 4096
+    # A generation worker that dies mid-stream: continue the stream on another one from the
+    # tokens already sent (orchestrator/migrate.py); off: the stream ends with an error event.
+    migrate_streams: bool = True
 
     def __post_init__(self):
         if self.token_relay not in RELAY_MODES:

@@ -15,7 +15,13 @@ chunk (migration is rare, streaming is not).
 
 from __future__ import annotations
 
+import logging
+
 import orjson
+
+from splitserve.orchestrator import stream, upstream
+
+logger = logging.getLogger(__name__)
 
 IDS = b": ids "
 DONE = b"data: [DONE]"
@@ -120,3 +126,38 @@ class Continuation:
             usage["completion_tokens"] = usage.get("completion_tokens", 0) + self.earlier
             usage["total_tokens"] = usage.get("total_tokens", 0) + self.earlier
         return b"data: " + orjson.dumps(obj)
+
+
+async def carry_on(orch, path: str, resp, tap: StreamTap, body: dict, key: bytes,
+                   avoid: list, problem: str) -> str | None:
+    """Continue a stream that broke on other generation workers (avoiding those in `avoid`,
+    the broken one first); the problem left (None: the stream was completed)."""
+    limit, config = max_tokens(body), orch.config
+    for _ in range(max(config.max_retries, 1)):
+        server = orch.gen.pick(key, avoid)
+        if not tap.migratable(limit) or server is None or server in avoid:
+            break
+        avoid.append(server)
+        logger.warning("orch: generation stream broke after %d tokens; continuing it on %s",
+                       len(tap.token_ids), server.url)
+        data = orjson.dumps(resume_body(body, tap.token_ids))
+        server.in_flight += 1
+        try:
+            held = await upstream.open_generation(orch.session, server.url + path, data,
+                                                  config.first_byte_timeout)
+        except (upstream.Retry, upstream.TimedOut) as exc:
+            logger.warning("orch: %s could not continue the stream: %s", server.url, exc)
+            if isinstance(exc, upstream.Retry) and exc.down:
+                orch.gen.mark_down(server.url)
+            server.in_flight -= 1
+            continue
+        try:
+            problem = await stream.relay(held, resp, config.idle_timeout, Continuation(tap).feed)
+        finally:
+            held.response.close()
+            server.in_flight -= 1
+        orch.metrics.migrations.labels("completed" if problem is None else "broke").inc()
+        if problem not in (stream.BROKE, stream.ENDED):
+            return problem
+    orch.metrics.migrations.labels("gave_up").inc()
+    return problem

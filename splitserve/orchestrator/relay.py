@@ -105,11 +105,14 @@ def context_body(body: dict, mode: str) -> dict:
     return out
 
 
-def generation_body(body: dict, ctx_params: dict) -> dict:
+def generation_body(body: dict, ctx_params: dict, migratable: bool = False) -> dict:
     """The client's request minus its prompt (GEN takes the prompt from ctx_params, in the
-    relay mode's form; a token-id prompt must not cost GEN a JSON list decode anyway)."""
+    relay mode's form; a token-id prompt must not cost GEN a JSON list decode anyway).
+    migratable: GEN tags its SSE events with their token ids (orchestrator/migrate.py)."""
     out = {k: v for k, v in body.items() if k not in ("prompt", "messages")}
     out["disaggregated_params"] = {**ctx_params, "request_type": "generation_only"}
+    if migratable:
+        out["disaggregated_params"]["stream_token_ids"] = True
     return out
 
 

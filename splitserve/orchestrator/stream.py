@@ -58,9 +58,12 @@ class _IdleWatch:
         self.timer.cancel()
 
 
-async def forward(request: web.Request, held: Held, idle: float) -> web.StreamResponse:
+async def forward(request: web.Request, held: Held, idle: float, tap=None,
+                  carry_on=None) -> web.StreamResponse:
     """Copy GEN's status, content type and body to the client; GEN's connection stays the
-    caller's to release."""
+    caller's to release. tap (migrate.StreamTap): strips and keeps the stream's token ids;
+    carry_on(resp, problem): continues a stream that broke on another worker, returning the
+    problem that is left (None: the stream was completed)."""
     upstream = held.response
     ctype = upstream.headers.get("Content-Type", "application/json")
     if not held.streaming:
@@ -68,22 +71,28 @@ async def forward(request: web.Request, held: Held, idle: float) -> web.StreamRe
     resp = web.StreamResponse(status=upstream.status,
                               headers={"Content-Type": ctype, "Cache-Control": "no-cache"})
     await resp.prepare(request)
-    await resp.write(held.head)
-    problem = await _copy(upstream.content, resp, idle, held.head)
+    problem = await relay(held, resp, idle, tap.feed if tap is not None else None)
+    if problem in (BROKE, ENDED) and carry_on is not None:
+        problem = await carry_on(resp, problem)
     if problem is not None:
         await resp.write(sse_error(problem) + DONE)
     await resp.write_eof()
     return resp
 
 
-async def _copy(content: aiohttp.StreamReader, resp: web.StreamResponse, idle: float,
-                last: bytes) -> str | None:
-    """GEN's bytes to the client until GEN's end; what went wrong, in the client's terms."""
+async def relay(held: Held, resp: web.StreamResponse, idle: float, feed=None) -> str | None:
+    """GEN's bytes (its held head first) to the client until GEN's end, each through
+    feed(bytes) -> bytes if given; what went wrong, in the client's terms."""
+    last = feed(held.head) if feed is not None else held.head
+    if last:
+        await resp.write(last)
     try:
         async with asyncio.timeout(None) as deadline:
             watch = _IdleWatch(deadline, idle)
             try:
-                while chunk := await watch.read(content):
+                while chunk := await watch.read(held.response.content):
+                    if feed is not None and not (chunk := feed(chunk)):
+                        continue
                     await resp.write(chunk)   # the client gone: raises, the handler ends
                     # [DONE] may be split across chunks: keep enough of the end to see it
                     last = chunk if len(chunk) >= len(DONE) else last[-len(DONE):] + chunk

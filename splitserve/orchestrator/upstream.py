@@ -100,8 +100,9 @@ async def open_generation(session: aiohttp.ClientSession, url: str, data: bytes,
 
 
 async def _first_event(r: aiohttp.ClientResponse) -> bytes:
+    """Up to the first data event: comment lines before it (token ids) do not count."""
     buf = b""
-    while _EVENT_END not in buf:
+    while (i := buf.find(b"data:")) < 0 or buf.find(_EVENT_END, i) < 0:
         chunk = await r.content.readany()
         if not chunk:
             raise Retry("disconnected", "the stream ended before its first event")
@@ -113,9 +114,10 @@ def _check(held: Held) -> None:
     status = held.response.status
     if status >= 500:
         raise Retry("server_error", f"answered {status}: {held.head[:200]!r}")
-    if held.streaming and held.head.startswith(b'data: {"error"'):
+    first = held.head[held.head.find(b"data:"):] if held.streaming else b""
+    if first.startswith(b'data: {"error"'):
         try:
-            error = orjson.loads(held.head[6:held.head.index(_EVENT_END)]).get("error") or {}
+            error = orjson.loads(first[6:first.index(_EVENT_END)]).get("error") or {}
         except (orjson.JSONDecodeError, AttributeError):
             error = {}
         # A request the worker rejects would be rejected anywhere: it goes to the client.
