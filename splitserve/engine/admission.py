@@ -1,0 +1,66 @@
+"""What a request must satisfy before the engine takes it: each check raises
+InvalidRequestError naming the parameter, so the front-end answers 400."""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+
+from splitserve.engine.prompt_reads import prompt_value_readers
+from splitserve.errors import InvalidRequestError
+from splitserve.sampling_params import SamplingParams
+from splitserve.tokens import PromptTokens
+
+
+def check_prompt(prompt: PromptTokens, params: SamplingParams, vocab_size: int,
+                 max_model_len: int) -> None:
+    n = len(prompt)
+    if n == 0:
+        raise InvalidRequestError("the prompt is empty", "prompt")
+    if n >= max_model_len:
+        raise InvalidRequestError(
+            f"the prompt has {n} tokens; this model's context is {max_model_len} tokens "
+            f"including at least one generated token", "prompt")
+    if not prompt.is_placeholder:
+        lo, hi = int(prompt.array.min()), int(prompt.array.max())
+        if lo < 0 or hi >= vocab_size:
+            bad = lo if lo < 0 else hi
+            raise InvalidRequestError(f"prompt token id {bad} is outside the vocabulary "
+                                      f"[0, {vocab_size})", "prompt")
+    params.check_vocab(vocab_size)
+
+
+def check_length_only(params: SamplingParams, remote) -> None:
+    if remote is None:
+        raise InvalidRequestError("a length-only prompt needs its KV from a context worker",
+                                  "prompt")
+    readers = prompt_value_readers(repetition_penalty=params.repetition_penalty,
+                                   prompt_logprobs=params.prompt_logprobs)
+    if readers:
+        raise InvalidRequestError(f"{', '.join(readers)} read prompt token values, which a "
+                                  f"length-only prompt does not have", readers[0])
+
+
+def check_resumed(prompt: PromptTokens, params: SamplingParams, resumed: np.ndarray,
+                  disaggregated: bool, vocab_size: int, max_model_len: int) -> None:
+    """Mid-stream migration: output another worker streamed, continued here."""
+    param = "disaggregated_params.resume_token_ids"
+    if disaggregated or params.n > 1 or prompt.is_placeholder:
+        raise InvalidRequestError("a resumed request is an aggregated n = 1 request with "
+                                  "its prompt's token values", param)
+    if len(resumed) == 0 or int(resumed.min()) < 0 or int(resumed.max()) >= vocab_size:
+        raise InvalidRequestError("resume_token_ids must be token ids of this vocabulary", param)
+    if len(prompt) + len(resumed) >= max_model_len:
+        raise InvalidRequestError("the prompt and resume_token_ids fill the model's context",
+                                  param)
+    if params.max_tokens is not None and len(resumed) >= params.max_tokens:
+        raise InvalidRequestError("resume_token_ids already reach max_tokens", param)
+
+
+def sibling_params(params: SamplingParams, i: int) -> SamplingParams:
+    """Sibling i of an n > 1 request samples with seed + i, wrapped into int64 like a C
+    counter: a seed at the top of the range must not push its siblings' past what msgpack
+    and torch take."""
+    if params.seed is None:
+        return params
+    return msgspec.structs.replace(params, seed=(params.seed + i + 2**63) % 2**64 - 2**63)
