@@ -180,6 +180,33 @@ def test_shedding_past_max_in_flight(cluster):
     wait_kv_free([ctx.url, gen.url])
 
 
+def test_clients_that_disconnect_at_random_points_leave_nothing_behind(cluster):
+    """Clients hang up during CTX's prefill, the relay, GEN's pull and the stream; every
+    engine request is aborted or ends, every KV block is free again, and the cluster serves."""
+    import random
+    import socket
+    import time
+    (ctx,), (gen,), orch = cluster(1, 1, ("--kv-lease-seconds", "3"))
+    want = text_of(stream(orch.url + "/v1/completions", BODY))
+    rng = random.Random(17)
+    socks = []
+    for i in range(24):
+        body = {**LONG, "max_tokens": rng.choice([4, 64, 400]), "stream": rng.random() < 0.5}
+        data = json.dumps(body).encode()
+        s = socket.create_connection(("127.0.0.1", orch.port), timeout=30)
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                  b"application/json\r\nContent-Length: %d\r\n\r\n" % len(data) + data)
+        socks.append((time.monotonic() + rng.uniform(0, 1.5), s))
+    for deadline, s in sorted(socks, key=lambda item: item[0]):
+        time.sleep(max(0.0, deadline - time.monotonic()))
+        s.close()
+    wait_kv_free([ctx.url, gen.url], timeout=60)
+    wait_for(lambda: metrics(gen.url)["splitserve_num_requests_running"] == 0, 60,
+             "the GEN engine is idle")
+    assert text_of(stream(orch.url + "/v1/completions", BODY)) == want
+    assert metrics(orch.url)["splitserve_orchestrator_requests_in_flight"] == 0
+
+
 def test_timeouts_bound_each_wait_not_the_whole_stream(cluster):
     (ctx,), (gen,), orch = cluster(ctx_args=("--kv-lease-seconds", "3"), first_byte_timeout=2,
                                    idle_timeout=2)
