@@ -74,6 +74,7 @@ def _add_engine_arguments(p) -> None:
 
 
 def _serve(args) -> int:
+    from splitserve.httpd.limits import HTTPLimits
     from splitserve.server.app import serve
     from splitserve.server.config import ServerConfig
     serve(ServerConfig(host=args.host, port=args.port, role=args.role,
@@ -81,6 +82,9 @@ def _serve(args) -> int:
                        max_body_bytes=args.max_body_bytes,
                        max_waiting_requests=args.max_waiting_requests,
                        engine_stall_seconds=args.engine_stall_seconds,
+                       http=HTTPLimits(head_timeout=args.request_head_timeout,
+                                       body_timeout=args.request_body_timeout,
+                                       max_connections=args.max_connections),
                        engine=_engine_config(args)))
     return 0
 
@@ -115,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--max-tokens", type=int, default=128)
     chat.set_defaults(func=_chat)
 
+    from splitserve.httpd.limits import HTTPLimits
     from splitserve.server.config import ServerConfig
     serve = sub.add_parser("serve", help="run one worker: OpenAI HTTP front-end + engine")
     _add_engine_arguments(serve)
@@ -131,6 +136,12 @@ def build_parser() -> argparse.ArgumentParser:
                        default=ServerConfig.engine_stall_seconds,
                        help="/health answers 503 when the engine completed no step for this "
                             "long while holding requests (longer than the longest step)")
+    serve.add_argument("--max-connections", type=int, default=HTTPLimits.max_connections,
+                       help="open connections past which a new one gets 503 and is closed")
+    serve.add_argument("--request-head-timeout", type=float, default=HTTPLimits.head_timeout,
+                       help="seconds a request line and headers may take (then 408)")
+    serve.add_argument("--request-body-timeout", type=float, default=HTTPLimits.body_timeout,
+                       help="seconds a request body may take once its head is in (then 408)")
     serve.add_argument("--bench-skip-kv-pull", action="store_true",
                        help="benchmark only: generation_only requests skip the KV pull and "
                             "decode from stale blocks; output is garbage")

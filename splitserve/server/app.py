@@ -69,6 +69,7 @@ class WorkerServer:
             "/detokenize": ("POST", self.detokenize),
         }
         self.http = HTTPServer(self.dispatch, config.max_body_bytes, config.log_prefix,
+                               limits=config.http,
                                error_body=lambda message, status: error_body(
                                    message, "server_error" if status >= 500
                                    else "invalid_request_error"))

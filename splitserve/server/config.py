@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from splitserve.config import EngineConfig
+from splitserve.httpd.limits import HTTPLimits
 
 ROLES = ("agg", "ctx", "gen")
 # listen(2) backlog of every HTTP server here, as uvicorn and gunicorn default to
@@ -25,6 +26,7 @@ class ServerConfig:
     # hold (1024 in flight): a bound on memory and latency, not a scheduling knob.
     max_waiting_requests: int = 4096
     engine_stall_seconds: float = 60.0     # no engine step this long, holding work: /health 503
+    http: HTTPLimits = field(default_factory=HTTPLimits)   # timeouts, caps (httpd/limits.py)
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self):
