@@ -55,6 +55,10 @@ class KVTransferConfig:
     connect_timeout: float = 5.0           # a CTX not connected by then fails the pull (refused: at once)
     idle_seconds: float = 60.0             # a GEN's connection to a CTX unused this long is closed
     pull_threads: int = 8                  # pulls from this many CTXs run side by side
+    # The cluster's internal secret: keys the KV channel's handshake (CURVE). Never logged.
+    secret: str | None = field(default=None, repr=False)
+    # KV endpoints (tcp://host:port) a generation_only request may name; see kv/peers.py.
+    peers: tuple[str, ...] = ()
     # Benchmark only (`bench frontend`): a generation_only pull reports success at once and
     # moves nothing, so its blocks hold stale KV and the output is garbage.
     bench_skip_pull: bool = False

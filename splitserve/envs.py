@@ -15,3 +15,15 @@ def num_threads() -> int | None:
     line does not say (default: torch's choice)."""
     value = os.environ.get("SPLITSERVE_NUM_THREADS")
     return int(value) if value else None
+
+
+def api_key() -> str | None:
+    """SPLITSERVE_API_KEY: the key public endpoints require (`Authorization: Bearer`) when
+    no --api-key is given."""
+    return os.environ.get("SPLITSERVE_API_KEY") or None
+
+
+def internal_secret() -> str | None:
+    """SPLITSERVE_INTERNAL_SECRET: the cluster's internal secret when no --internal-secret
+    is given. `splitserve up` sets it for the processes it starts, so no command line shows it."""
+    return os.environ.get("SPLITSERVE_INTERNAL_SECRET") or None

@@ -27,6 +27,10 @@ class ServerConfig:
     max_waiting_requests: int = 4096
     engine_stall_seconds: float = 60.0     # no engine step this long, holding work: /health 503
     http: HTTPLimits = field(default_factory=HTTPLimits)   # timeouts, caps (httpd/limits.py)
+    # Public endpoints need `Authorization: Bearer <api_key>` when set; internal requests
+    # (anything carrying disaggregated_params) need the internal secret. Never logged.
+    api_key: str | None = field(default=None, repr=False)
+    internal_secret: str | None = field(default=None, repr=False)
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self):
