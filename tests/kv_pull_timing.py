@@ -20,11 +20,11 @@ class Leases(LeaseView):
     def __init__(self, table):
         self.table = table
 
-    def lookup(self, rid):
-        return self.table.get(rid)
+    def lookup(self, rid, token):
+        return self.table.get(rid) if token == "t" else None
 
-    def release(self, rid):
-        pass
+    def release(self, rid, token):
+        return True
 
 
 def main() -> None:
@@ -43,7 +43,7 @@ def main() -> None:
     ctx.start(Leases({"r": (np.arange(n), args.tokens)}))
     gen.start(Leases({}))
     handle = KVHandle(backend=args.backend, endpoint=ctx.endpoint, ctx_request_id="r",
-                      layout="L", num_tokens=args.tokens)
+                      layout="L", num_tokens=args.tokens, lease_token="t")
     walls = []
     try:
         for i in range(args.reps + 1):

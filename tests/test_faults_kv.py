@@ -323,7 +323,8 @@ def test_garbage_on_the_kv_port_is_dropped_and_the_server_keeps_answering(tiny_s
                     raw.sendall(junk)
                 except OSError:   # the server may drop us before we finish
                     pass
-        request = msgspec.msgpack.encode(PullRequest("x", gen.remote_kv.layout, NUM_BLOCKS))
+        request = msgspec.msgpack.encode(PullRequest("x", "t", gen.remote_kv.layout, NUM_BLOCKS,
+                                                     len(PROMPT)))
         req = zctx.socket(zmq.REQ)   # its empty delimiter frame makes a 2-frame message
         req.connect(endpoint)
         req.send(request)

@@ -17,16 +17,20 @@ from disagg_utils import require_backend
 
 require_backend("nixl")
 
+TOKEN = "lease-token"
+
 
 class Leases(LeaseView):
     def __init__(self, table):
         self.table, self.released = table, []
 
-    def lookup(self, rid):
-        return self.table.get(rid)
+    def lookup(self, rid, token):
+        return self.table.get(rid) if token == TOKEN else None
 
-    def release(self, rid):
-        self.released.append(rid)
+    def release(self, rid, token):
+        if token == TOKEN:
+            self.released.append(rid)
+        return token == TOKEN
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +56,7 @@ def pull(gen, handle, dst_blocks):
 def test_pull_copies_scattered_blocks_and_acks(transports):
     ctx, gen, leases = transports
     handle = KVHandle(backend="nixl", endpoint=ctx.endpoint, ctx_request_id="r", layout="L",
-                      num_tokens=20)
+                      num_tokens=20, lease_token=TOKEN)
     result = pull(gen, handle, np.array([7, 8, 0, 2, 15]))
     assert result.ok, result.error
     assert result.nbytes == 5 * gen.block_bytes(0).numel() and result.seconds > 0
@@ -70,7 +74,7 @@ def test_pull_copies_scattered_blocks_and_acks(transports):
 def test_lookup_errors_match_the_tcp_backend(transports, num_blocks, layout, error):
     ctx, gen, _ = transports
     handle = KVHandle(backend="nixl", endpoint=ctx.endpoint, ctx_request_id="r", layout=layout,
-                      num_tokens=20)
+                      num_tokens=20, lease_token=TOKEN)
     gen.layout = layout   # the GEN sends its own layout; this one is private to the test
     try:
         result = pull(gen, handle, np.arange(num_blocks))
@@ -84,7 +88,7 @@ def test_a_failed_read_ends_its_request_and_the_next_pull_reconnects(transports,
                                                                      state, error):
     ctx, gen, _ = transports
     handle = KVHandle(backend="nixl", endpoint=ctx.endpoint, ctx_request_id="r", layout="L",
-                      num_tokens=20)
+                      num_tokens=20, lease_token=TOKEN)
     with monkeypatch.context() as patch:
         patch.setattr(gen, "timeout", 0.3)
         patch.setattr(gen.agent, "transfer", lambda xfer: "PROC")   # never posted: cancellable

@@ -60,7 +60,8 @@ def test_metadata_equals_list_or_falls_back(trio, params, echo):
         if prompt.is_placeholder and engine_readers:
             with pytest.raises(InvalidRequestError):
                 gen.add_request("g", prompt, params, remote=remote)
-            ctx.remote_kv.leases.release(first.kv_handle.ctx_request_id)
+            ctx.remote_kv.leases.release(first.kv_handle.ctx_request_id,
+                                         first.kv_handle.lease_token)
             ctx.step()
             return
         gen.add_request("g", prompt, params, remote=remote)

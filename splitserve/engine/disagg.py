@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 import queue
 
+import msgspec
+
 from splitserve.config import KVTransferConfig
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.kv_leases import LeaseTable
@@ -44,12 +46,12 @@ class RemoteKV:
     # -- context_only ---------------------------------------------------------------------
     def lease(self, req: Request) -> KVHandle:
         """Move req's block references into a lease; the caller finishes the request."""
-        self.leases.add(req.request_id, req.block_ids, req.num_prompt_tokens)
+        token = self.leases.add(req.request_id, req.block_ids, req.num_prompt_tokens)
         req.block_ids = NO_BLOCKS
         return KVHandle(backend=self.config.backend, endpoint=self.endpoint,
                         ctx_request_id=req.request_id, layout=self.layout,
                         num_tokens=req.num_prompt_tokens,
-                        agent_metadata=self.transport.agent_metadata())
+                        agent_metadata=self.transport.agent_metadata(), lease_token=token)
 
     def release_ended_leases(self) -> None:
         for block_ids in self.leases.collect():
@@ -81,7 +83,9 @@ class RemoteKV:
             self._done(req, PullResult(ok=True))
             return
         n_blocks = self.bm.blocks_needed(req.num_prompt_tokens)
-        self.transport.pull(req.remote.handle, req.block_ids[:n_blocks],
+        # The CTX compares num_tokens with the lease: send this request's own prompt_len.
+        handle = msgspec.structs.replace(req.remote.handle, num_tokens=req.num_prompt_tokens)
+        self.transport.pull(handle, req.block_ids[:n_blocks],
                             lambda result: self._done(req, result))
 
     def _done(self, req: Request, result: PullResult) -> None:   # a transport thread

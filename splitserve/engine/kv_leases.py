@@ -3,11 +3,15 @@
 The engine thread owns the table and every block-manager call; transport threads only
 read a lease (lookup) and ask for its release, which is queued and applied by the engine
 thread. A lease ends on the GEN's ack or when it expires: a dead GEN leaks nothing.
+Each lease has an unguessable token, handed out only in its KVHandle: a lookup or ack with
+the right id but another token is answered as if the lease did not exist.
 """
 
 from __future__ import annotations
 
+import hmac
 import queue
+import secrets
 import threading
 import time
 from dataclasses import dataclass, field
@@ -22,6 +26,7 @@ class Lease:
     block_ids: np.ndarray     # int64; the lease holds one reference to each
     num_tokens: int
     expires_at: float
+    token: str
     sending: bool = field(default=False)
 
 
@@ -33,24 +38,40 @@ class LeaseTable(LeaseView):
         self.wake = wake   # tells an idle engine loop there is work
         self._lock = threading.Lock()
 
-    def add(self, ctx_request_id: str, block_ids: np.ndarray, num_tokens: int) -> None:
-        """Takes over block_ids: the caller holds neither the array nor its references."""
+    def add(self, ctx_request_id: str, block_ids: np.ndarray, num_tokens: int) -> str:
+        """Takes over block_ids: the caller holds neither the array nor its references.
+        Returns the lease's token."""
+        token = secrets.token_urlsafe(16)
         with self._lock:
             self.leases[ctx_request_id] = Lease(block_ids, num_tokens,
-                                                time.monotonic() + self.lease_seconds)
+                                                time.monotonic() + self.lease_seconds, token)
+        return token
 
     # -- transport threads ----------------------------------------------------------------
-    def lookup(self, ctx_request_id: str) -> tuple[np.ndarray, int] | None:
+    def _find(self, ctx_request_id: str, lease_token: str) -> Lease | None:
+        """The live lease with this id and token (the caller holds the lock)."""
+        lease = self.leases.get(ctx_request_id)
+        if lease is None or not hmac.compare_digest(lease.token.encode(), lease_token.encode()):
+            return None
+        return lease
+
+    def lookup(self, ctx_request_id: str, lease_token: str) -> tuple[np.ndarray, int] | None:
         with self._lock:
-            lease = self.leases.get(ctx_request_id)
+            lease = self._find(ctx_request_id, lease_token)
             if lease is None:
                 return None
             lease.sending = True    # not expired under an in-flight send
             return lease.block_ids, lease.num_tokens
 
-    def release(self, ctx_request_id: str) -> None:
-        self.released.put(ctx_request_id)
+    def release(self, ctx_request_id: str, lease_token: str) -> bool:
+        with self._lock:
+            lease = self._find(ctx_request_id, lease_token)
+        if lease is None:
+            return False
+        # The Lease itself, not its id: collect frees exactly the lease this ack named.
+        self.released.put((ctx_request_id, lease))
         self.wake()
+        return True
 
     # -- engine thread --------------------------------------------------------------------
     def collect(self, now: float | None = None) -> list[np.ndarray]:
@@ -59,9 +80,9 @@ class LeaseTable(LeaseView):
         done = []
         with self._lock:
             while not self.released.empty():
-                lease = self.leases.pop(self.released.get(), None)
-                if lease is not None:
-                    done.append(lease.block_ids)
+                rid, lease = self.released.get()
+                if self.leases.get(rid) is lease:
+                    done.append(self.leases.pop(rid).block_ids)
             for rid in [r for r, l in self.leases.items() if l.expires_at <= now and
                         (not l.sending or l.expires_at + self.lease_seconds <= now)]:
                 done.append(self.leases.pop(rid).block_ids)

@@ -17,6 +17,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from splitserve.kv.messages import PullRequest
 from splitserve.model.config import ModelConfig
 from splitserve.protocol.engine import KVHandle
 
@@ -40,31 +41,35 @@ def short_hash(text: str) -> str:
 
 
 class LeaseView(abc.ABC):
-    """What a transport may ask the engine about leased blocks (called from I/O threads)."""
+    """What a transport may ask the engine about leased blocks (called from I/O threads).
+    A lease answers only to its token: a wrong one is treated exactly like an unknown lease."""
 
     @abc.abstractmethod
-    def lookup(self, ctx_request_id: str) -> tuple[np.ndarray, int] | None:
+    def lookup(self, ctx_request_id: str, lease_token: str) -> tuple[np.ndarray, int] | None:
         """(block ids, num_tokens) of a live lease, marked as being sent; None if unknown."""
 
     @abc.abstractmethod
-    def release(self, ctx_request_id: str) -> None:
-        """GEN has the bytes: the engine may free the blocks (it does so on its own thread)."""
+    def release(self, ctx_request_id: str, lease_token: str) -> bool:
+        """GEN has the bytes: the engine may free the blocks (it does so on its own thread).
+        False if no live lease has this id and token (nothing is freed)."""
 
 
-def check_pull(leases: LeaseView, layout: str, ctx_request_id: str, wanted_layout: str,
-               num_blocks: int) -> tuple[str | None, np.ndarray | None]:
+def check_pull(leases: LeaseView, layout: str, msg: PullRequest) -> tuple[str | None, np.ndarray | None]:
     """(error, None) or (None, block ids) for a GEN's request to pull a lease: the same
     checks and words whichever backend serves it."""
-    if wanted_layout != layout:
+    if msg.layout != layout:
         return (f"KV layout mismatch: this context worker has [{layout}], the generation "
-                f"worker has [{wanted_layout}]"), None
-    lease = leases.lookup(ctx_request_id)
-    if lease is None:
-        return f"unknown or expired ctx_request_id {ctx_request_id!r}", None
+                f"worker has [{msg.layout}]"), None
+    lease = leases.lookup(msg.ctx_request_id, msg.lease_token)
+    if lease is None:   # the same words for a wrong token: no way to probe for lease ids
+        return f"unknown or expired ctx_request_id {msg.ctx_request_id!r}", None
     blocks, num_tokens = lease
-    if len(blocks) != num_blocks:
-        return (f"the generation worker expects {num_blocks} KV blocks but {ctx_request_id!r} "
-                f"holds {len(blocks)} ({num_tokens} tokens): prompt_len disagrees with the KV"), None
+    if msg.num_tokens != num_tokens:
+        return (f"prompt_len {msg.num_tokens} disagrees with the {num_tokens} tokens whose KV "
+                f"{msg.ctx_request_id!r} holds"), None
+    if len(blocks) != msg.num_blocks:
+        return (f"the generation worker expects {msg.num_blocks} KV blocks but "
+                f"{msg.ctx_request_id!r} holds {len(blocks)} ({num_tokens} tokens)"), None
     return None, blocks
 
 

@@ -3,7 +3,8 @@
 GEN -> CTX: a PullRequest, and a PullAck once the bytes are in its own blocks. CTX -> GEN:
 one reply per PullRequest; `error` set means nothing is offered. Both ends of a pull run the
 same backend, so each backend's reply type is read only by that backend. A reply names the
-lease it answers, so the GEN never takes an answer to another pull for its own.
+lease it answers, so the GEN never takes an answer to another pull for its own. A request and
+an ack carry the lease's token (KVHandle.lease_token): the lease id alone opens nothing.
 """
 
 from __future__ import annotations
@@ -21,13 +22,16 @@ MAX_AGENT_METADATA_BYTES = 1 << 20
 
 class PullRequest(msgspec.Struct, tag="pull"):
     ctx_request_id: str
+    lease_token: str
     layout: str         # the GEN's kv.base.layout_fingerprint(): must equal the CTX's
     num_blocks: int     # blocks the GEN allocated for the prompt
+    num_tokens: int     # the GEN's prompt_len: must equal the lease's
 
 
 class PullAck(msgspec.Struct, tag="ack"):
     """The GEN has the bytes: the CTX may free the lease's blocks."""
     ctx_request_id: str
+    lease_token: str
 
 
 class TcpPullReply(msgspec.Struct):

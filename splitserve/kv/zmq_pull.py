@@ -115,13 +115,14 @@ class ZmqPullTransport(KVTransport):
                                self.name, len(payload))
             return
         if isinstance(msg, PullAck):
-            leases.release(msg.ctx_request_id)
+            if not leases.release(msg.ctx_request_id, msg.lease_token):
+                self._warn.warning("ack", "kv-%s: dropped an ack for no live lease (unknown "
+                                   "id or wrong token)", self.name)
             return
         sock.send_multipart([ident, *self._answer(msg, leases)], copy=False)
 
     def _answer(self, msg: PullRequest, leases: LeaseView) -> list:
-        error, blocks = check_pull(leases, self.layout, msg.ctx_request_id, msg.layout,
-                                   msg.num_blocks)
+        error, blocks = check_pull(leases, self.layout, msg)
         if error is not None:
             return [msgspec.msgpack.encode(self.reply_type(ctx_request_id=msg.ctx_request_id,
                                                            error=error))]
@@ -137,13 +138,14 @@ class ZmqPullTransport(KVTransport):
 
     def _pull_one(self, peer: Peer, handle: KVHandle, dst: np.ndarray) -> int:
         deadline = time.monotonic() + self.timeout
-        request = msgspec.msgpack.encode(PullRequest(handle.ctx_request_id, self.layout, len(dst)))
+        request = msgspec.msgpack.encode(PullRequest(handle.ctx_request_id, handle.lease_token,
+                                                     self.layout, len(dst), handle.num_tokens))
         if len(request) > MAX_REQUEST_BYTES:
             raise PullRefused(f"ctx_request_id is too long ({len(handle.ctx_request_id)} chars)")
         frames = peer.request(request, deadline, self.pool.stop)
         reply = self._read_reply(handle, frames)
         nbytes = self._receive(handle, reply, frames[1:], dst, deadline)
-        peer.send(msgspec.msgpack.encode(PullAck(handle.ctx_request_id)))
+        peer.send(msgspec.msgpack.encode(PullAck(handle.ctx_request_id, handle.lease_token)))
         return nbytes
 
     def _read_reply(self, handle: KVHandle, frames: list):
