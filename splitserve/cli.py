@@ -46,7 +46,7 @@ def _engine_config(args):
                           enable_prefix_caching=not args.no_prefix_caching),
         scheduler=SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs),
         kv=KVTransferConfig(args.kv_backend, args.kv_host, args.kv_port, args.kv_lease_seconds,
-                            args.kv_timeout,
+                            args.kv_timeout, secret=envs.internal_secret(),
                             bench_skip_pull=getattr(args, "bench_skip_kv_pull", False)))
 
 

@@ -17,7 +17,9 @@ from zmq.utils.monitor import recv_monitor_message
 
 from splitserve.engine.request import FinishReason
 from splitserve.kv.messages import MAX_REQUEST_BYTES, PullAck, PullRequest
-from splitserve.protocol.engine import KVHandle, Logprob
+from splitserve.protocol.engine import KVHandle, Logprob, RemotePrefill
+
+from disagg_utils import GREEDY, PROMPT, drain, tokens
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -70,6 +72,24 @@ def outcome(out):
 
 def ended_in_error(delta, *words):
     return delta.finish_reason == FinishReason.ERROR and any(w in delta.error for w in words)
+
+
+def greedy_reference(ctx):
+    """PROMPT's greedy tokens, generated whole by one engine."""
+    ctx.add_request("ref", PROMPT, GREEDY)
+    return tokens(drain(ctx))
+
+
+def pull_with(gen, rid, delta):
+    """Decodes PROMPT on gen from the KV a handoff delta leased; returns its tokens."""
+    gen.add_request(rid, PROMPT, GREEDY, remote=RemotePrefill(delta.kv_handle, delta.token_ids,
+                                                              delta.logprobs))
+    return tokens(drain(gen))
+
+
+def close_engines(*engines):
+    for e in engines:
+        e.remote_kv.close()
 
 
 def assert_healthy(*engines):

@@ -1,7 +1,10 @@
 """KV pull throughput of a transport: two in-process transports on loopback, one lease of
 a large prompt's blocks pulled again and again; prints the median. Not a test (timing only).
 
-    python tests/kv_pull_timing.py --backend tcp --tokens 8192 --reps 9
+    python tests/kv_pull_timing.py --backend tcp --tokens 8192 --reps 9 [--secret S]
+
+--secret: the channel speaks CURVE (encrypted), keyed by S, as a cluster with an internal
+secret does.
 """
 
 import argparse
@@ -34,12 +37,13 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=9)
     # SmolLM2-135M's KV layout in bfloat16: 30 layers, 3 KV heads of 64, blocks of 16.
     p.add_argument("--layers", type=int, default=30)
+    p.add_argument("--secret", default=None)
     args = p.parse_args()
     n = args.tokens // 16
     src = torch.randn(n, args.layers, 2, 16, 3, 64).to(torch.bfloat16)
     dst = torch.zeros_like(src)
-    ctx = make_transport(args.backend, src, "L")
-    gen = make_transport(args.backend, dst, "L", timeout=120.0)
+    ctx = make_transport(args.backend, src, "L", secret=args.secret)
+    gen = make_transport(args.backend, dst, "L", timeout=120.0, secret=args.secret)
     ctx.start(Leases({"r": (np.arange(n), args.tokens)}))
     gen.start(Leases({}))
     handle = KVHandle(backend=args.backend, endpoint=ctx.endpoint, ctx_request_id="r",
@@ -61,7 +65,7 @@ def main() -> None:
         gen.close()
     nbytes = src.numel() * src.element_size()
     med = statistics.median(walls)
-    print(f"{args.backend}: {n} blocks, {nbytes / 1e6:.0f} MB per pull, {args.reps} pulls: "
+    print(f"{args.backend}{' CURVE' if args.secret else ''}: {n} blocks, {nbytes / 1e6:.0f} MB per pull, {args.reps} pulls: "
           f"median {med * 1e3:.2f} ms = {nbytes / med / 1e9:.2f} GB/s "
           f"(min {min(walls) * 1e3:.2f}, max {max(walls) * 1e3:.2f} ms)")
 

@@ -11,27 +11,23 @@ import pytest
 import zmq
 
 from splitserve.kv.messages import PullAck, PullRequest, TcpPullReply
-from splitserve.protocol.engine import RemotePrefill
 
-from disagg_utils import GREEDY, PROMPT, drain, engine, handoff, tokens, wait_for_release
-from kv_fault_utils import assert_healthy
+from disagg_utils import PROMPT, engine, handoff, wait_for_release
+from kv_fault_utils import assert_healthy, close_engines, greedy_reference, pull_with
 
 NUM_BLOCKS = 6   # PROMPT's 23 tokens in blocks of 4
 
 
 @pytest.fixture(scope="module")
 def pair(tiny_source):
-    ctx, gen = engine(tiny_source), engine(tiny_source)
-    yield ctx, gen
-    ctx.remote_kv.close()
-    gen.remote_kv.close()
+    engines = engine(tiny_source), engine(tiny_source)
+    yield engines
+    close_engines(*engines)
 
 
 @pytest.fixture(scope="module")
 def want(pair):
-    ctx, _ = pair
-    ctx.add_request("ref", PROMPT, GREEDY)
-    return tokens(drain(ctx))
+    return greedy_reference(pair[0])
 
 
 @pytest.fixture
@@ -49,12 +45,6 @@ def ask(sock, **fields):
         "layout": "", "num_blocks": NUM_BLOCKS, "num_tokens": len(PROMPT), **fields})))
     assert sock.poll(15_000), "the KV server did not answer"
     return sock.recv_multipart()
-
-
-def pull_with(gen, rid, delta):
-    gen.add_request(rid, PROMPT, GREEDY, remote=RemotePrefill(delta.kv_handle, delta.token_ids,
-                                                              delta.logprobs))
-    return tokens(drain(gen))
 
 
 def test_a_wrong_token_is_answered_like_an_unknown_lease(pair, want, dealer):

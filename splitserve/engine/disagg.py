@@ -35,10 +35,15 @@ class RemoteKV:
                                         port=config.port, timeout=config.timeout,
                                         connect_timeout=config.connect_timeout,
                                         idle_seconds=config.idle_seconds,
-                                        pull_threads=config.pull_threads)
+                                        pull_threads=config.pull_threads, secret=config.secret)
         self.endpoint = self.transport.start(self.leases)
         self.results: queue.SimpleQueue = queue.SimpleQueue()
-        logger.info("engine: KV transport %s at %s", config.backend, self.endpoint)
+        logger.info("engine: KV transport %s at %s (%s)", config.backend, self.endpoint,
+                    "CURVE" if config.secret else "plaintext")
+        if not config.secret:
+            logger.warning("engine: no internal secret: the KV channel is plaintext and any "
+                           "process that reaches %s may connect (set SPLITSERVE_INTERNAL_SECRET "
+                           "to encrypt and authenticate it)", self.endpoint)
         if config.bench_skip_pull:
             logger.warning("engine: bench_skip_pull is on: generation_only requests skip their "
                            "KV pull and decode from stale blocks; output is garbage (benchmark only)")

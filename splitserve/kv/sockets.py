@@ -3,7 +3,8 @@
 CTX: one ROUTER that takes only small messages (ZMQ_MAXMSGSIZE) and drops connections that
 stall their handshake or stop answering heartbeats. GEN: a `Peer` per CTX endpoint, a
 DEALER whose monitor tells a refused or lost connection from a slow answer, so a pull to a
-CTX that is gone fails in a fraction of a second instead of waiting for its timeout.
+CTX that is gone fails in a fraction of a second instead of waiting for its timeout. With
+CurveKeys (kv/curve.py) both ends speak CURVE and a handshake that fails ends the pull at once.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import time
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from splitserve.kv.curve import FRAME_OVERHEAD, CurveKeys
 from splitserve.kv.messages import MAX_REQUEST_BYTES
 
 logger = logging.getLogger(__name__)
@@ -68,9 +70,12 @@ class Throttled:
         logger.warning(msg + suffix, *args)
 
 
-def server_socket(ctx: zmq.Context, host: str, port: int) -> tuple[zmq.Socket, str, zmq.Socket]:
+def server_socket(ctx: zmq.Context, host: str, port: int,
+                  keys: CurveKeys | None) -> tuple[zmq.Socket, str, zmq.Socket]:
     """(ROUTER, its endpoint, a monitor of its connections) for a CTX's KV server."""
     sock = ctx.socket(zmq.ROUTER)
+    if keys is not None:
+        keys.make_server(sock)
     for opt, value in ((zmq.LINGER, 0), (zmq.MAXMSGSIZE, MAX_REQUEST_BYTES),
                        (zmq.HANDSHAKE_IVL, HANDSHAKE_MS), (zmq.HEARTBEAT_IVL, HEARTBEAT_MS),
                        (zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)):
@@ -105,14 +110,20 @@ def close_monitored(sock: zmq.Socket, monitor: zmq.Socket) -> None:
 class Peer:
     """A GEN's connection to one CTX's KV server; one pull at a time uses it."""
 
-    EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED)
+    HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL |
+                        zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+    EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED |
+              HANDSHAKE_FAILED)
 
     def __init__(self, ctx: zmq.Context, endpoint: str, max_frame: int, timeout: float,
-                 connect_timeout: float):
+                 connect_timeout: float, keys: CurveKeys | None):
         if not valid_endpoint(endpoint):
-            raise PeerUnavailable(f"{endpoint!r} is not a KV server endpoint (tcp://host:port)")
+            raise PeerUnavailable("the KV handle's endpoint is not tcp://host:port")
         self.endpoint, self.timeout, self.connect_timeout = endpoint, timeout, connect_timeout
         self.sock = ctx.socket(zmq.DEALER)
+        if keys is not None:
+            keys.make_client(self.sock)
+            max_frame += FRAME_OVERHEAD
         for opt, value in ((zmq.LINGER, 0), (zmq.MAXMSGSIZE, max_frame),
                            (zmq.RECONNECT_IVL, RECONNECT_MS),
                            (zmq.CONNECT_TIMEOUT, max(1, int(connect_timeout * 1000)))):
@@ -124,7 +135,7 @@ class Peer:
             self.sock.connect(endpoint)
         except zmq.ZMQError as exc:
             self.close()
-            raise PeerUnavailable(f"cannot connect to {endpoint}: {exc}") from exc
+            raise PeerUnavailable(f"cannot connect to the context worker's KV server: {exc}") from exc
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
         self.poller.register(self.monitor, zmq.POLLIN)
@@ -171,6 +182,9 @@ class Peer:
                 self.connected, self.failed_attempts = True, 0
             elif event == zmq.EVENT_CONNECT_RETRIED:
                 self.failed_attempts += 1
+            elif event & self.HANDSHAKE_FAILED:
+                raise PeerUnavailable("the context worker's KV server refused the handshake "
+                                      "(do both workers have the cluster's internal secret?)")
             elif event == zmq.EVENT_DISCONNECTED:
                 if self.connected and waiting:   # the request, or its answer, is lost
                     raise PeerUnavailable("lost the connection to the context worker's KV "

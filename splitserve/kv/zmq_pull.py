@@ -6,7 +6,8 @@ subclass's `_offer` builds, and releases a lease on its PullAck; whatever else a
 dropped with a warning. GEN: kv.pull_pool runs the pulls, one at a time per CTX endpoint and
 side by side across CTXs; each is request, reply, checks, the subclass's `_receive` puts the
 bytes into local blocks, ack. A reply is checked whole before a byte is copied: a wrong one
-fails its pull and writes nothing.
+fails its pull and writes nothing. Given the cluster's secret, both sides speak CURVE
+(kv/curve.py); without it the channel is plaintext.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 import zmq
 
 from splitserve.kv.base import KVTransport, LeaseView, PullResult, check_pull
+from splitserve.kv.curve import CurveKeys, ZapHandler
 from splitserve.kv.messages import MAX_REQUEST_BYTES, PullAck, PullRequest
 from splitserve.kv.pull_pool import Job, PullPool
 from splitserve.kv.sockets import (BadReply, Peer, PullRefused, Throttled, close_monitored,
@@ -42,16 +44,18 @@ class ZmqPullTransport(KVTransport):
 
     def __init__(self, kv_cache: torch.Tensor, layout: str, host: str = "127.0.0.1",
                  port: int = 0, timeout: float = 30.0, connect_timeout: float = 5.0,
-                 idle_seconds: float = 60.0, pull_threads: int = 8):
+                 idle_seconds: float = 60.0, pull_threads: int = 8, secret: str | None = None):
         super().__init__(kv_cache, layout)
         self.host, self.port, self.timeout = host, port, timeout
         self.connect_timeout = connect_timeout
+        self.keys = CurveKeys.from_secret(secret) if secret else None
         self.ctx = zmq.Context()
         self.endpoint = ""
         self._stop = threading.Event()
         self._warn = Throttled()
         self.pool = PullPool(self.name, pull_threads, idle_seconds, self._open_peer, self._pull_one)
         self._threads: list[threading.Thread] = []
+        self._own_threads: list[threading.Thread] = []   # serving and ZAP: joined on close
 
     @abc.abstractmethod
     def _offer(self, ctx_request_id: str, blocks: np.ndarray) -> list:
@@ -69,11 +73,15 @@ class ZmqPullTransport(KVTransport):
 
     # -- CTX side -------------------------------------------------------------------------
     def start(self, leases: LeaseView) -> str:
-        sock, self.endpoint, monitor = server_socket(self.ctx, self.host, self.port)
+        # The ZAP handler first: a CURVE server without one would admit any client key.
+        zap = [ZapHandler(self.ctx, self.keys, self._stop).thread] if self.keys else []
+        sock, self.endpoint, monitor = server_socket(self.ctx, self.host, self.port, self.keys)
         serve = threading.Thread(target=self._serve, args=(sock, monitor, leases), daemon=True,
                                  name=f"kv-{self.name}-serve")
-        self._threads = [serve, *self.pool.threads]
-        serve.start()
+        self._own_threads = [serve, *zap]
+        self._threads = [*self._own_threads, *self.pool.threads]
+        for t in self._own_threads:
+            t.start()
         self.pool.start()
         return self.endpoint
 
@@ -134,7 +142,8 @@ class ZmqPullTransport(KVTransport):
         self.pool.submit(Job(handle, dst_blocks, done))
 
     def _open_peer(self, endpoint: str) -> Peer:
-        return Peer(self.ctx, endpoint, self._max_frame(), self.timeout, self.connect_timeout)
+        return Peer(self.ctx, endpoint, self._max_frame(), self.timeout, self.connect_timeout,
+                    self.keys)
 
     def _pull_one(self, peer: Peer, handle: KVHandle, dst: np.ndarray) -> int:
         deadline = time.monotonic() + self.timeout
@@ -170,6 +179,6 @@ class ZmqPullTransport(KVTransport):
     def close(self) -> None:
         self._stop.set()
         self.pool.close()
-        for t in self._threads[:1]:
+        for t in self._own_threads:
             t.join(timeout=5)
         self.ctx.destroy(linger=0)
