@@ -241,8 +241,8 @@ class EngineCore(FailureHandling, OutputBuilding):
             return
         req.kv_transfer_time = result.seconds
         if not result.ok:
-            self._finish(req, FinishReason.ERROR, out, error=f"KV transfer from "
-                         f"{req.remote.handle.endpoint} failed: {result.error}")
+            self._finish(req, FinishReason.ERROR, out, error=f"KV transfer from the context "
+                         f"worker failed: {result.error}")
             return
         remote = req.remote
         self.scheduler.kv_arrived(req)

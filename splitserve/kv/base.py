@@ -31,7 +31,7 @@ class PullResult:
 
 
 def layout_fingerprint(cfg: ModelConfig, dtype: torch.dtype, block_size: int) -> str:
-    """Readable, so a mismatch error says what differs."""
+    """Readable, so the log of a mismatch says what differs (clients are told less)."""
     return (f"{cfg.name}|{str(dtype).removeprefix('torch.')}|layers={cfg.num_layers}"
             f"|kv_heads={cfg.num_kv_heads}|head_dim={cfg.head_dim}|block={block_size}")
 
@@ -58,8 +58,8 @@ def check_pull(leases: LeaseView, layout: str, msg: PullRequest) -> tuple[str | 
     """(error, None) or (None, block ids) for a GEN's request to pull a lease: the same
     checks and words whichever backend serves it."""
     if msg.layout != layout:
-        return (f"KV layout mismatch: this context worker has [{layout}], the generation "
-                f"worker has [{msg.layout}]"), None
+        return ("KV layout mismatch: the context and generation workers differ in model, "
+                "dtype or KV block size"), None
     lease = leases.lookup(msg.ctx_request_id, msg.lease_token)
     if lease is None:   # the same words for a wrong token: no way to probe for lease ids
         return f"unknown or expired ctx_request_id {msg.ctx_request_id!r}", None
