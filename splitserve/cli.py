@@ -46,7 +46,7 @@ def _engine_config(args):
                           enable_prefix_caching=not args.no_prefix_caching),
         scheduler=SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs),
         kv=KVTransferConfig(args.kv_backend, args.kv_host, args.kv_port, args.kv_lease_seconds,
-                            args.kv_timeout, secret=envs.internal_secret(),
+                            args.kv_timeout, secret=envs.internal_secret(), peers=args.kv_peers,
                             bench_skip_pull=getattr(args, "bench_skip_kv_pull", False)))
 
 
@@ -71,6 +71,10 @@ def _add_engine_arguments(p) -> None:
     p.add_argument("--kv-port", type=int, default=0)
     p.add_argument("--kv-lease-seconds", type=float, default=30.0)
     p.add_argument("--kv-timeout", type=float, default=30.0, help="seconds a KV pull may take")
+    from splitserve.kv.peers import parse_peers
+    p.add_argument("--kv-peers", default=(), type=parse_peers,
+                   help="comma-separated tcp://host:port KV endpoints of the context workers "
+                        "this worker may pull from (default: loopback endpoints only)")
 
 
 def _serve(args) -> int:

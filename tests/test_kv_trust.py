@@ -3,17 +3,23 @@ loopback to a live CTX engine's KV server, which must refuse it and still serve 
 the GEN that holds the real handle.
 
 Forged here: a pull with the right lease id and a wrong token, an ack with a wrong token, a
-pull whose num_tokens is one off the lease's.
+pull whose num_tokens is one off the lease's, and handles naming a KV endpoint the GEN was
+not told about (refused before any connection).
 """
+
+import socket
 
 import msgspec
 import pytest
 import zmq
 
+from splitserve.errors import InvalidRequestError
 from splitserve.kv.messages import PullAck, PullRequest, TcpPullReply
+from splitserve.protocol.engine import RemotePrefill
 
-from disagg_utils import PROMPT, engine, handoff, wait_for_release
-from kv_fault_utils import assert_healthy, close_engines, greedy_reference, pull_with
+from disagg_utils import GREEDY, PROMPT, engine, handoff, wait_for_release
+from kv_fault_utils import (assert_healthy, close_engines, connections_to, greedy_reference,
+                            pull_with)
 
 NUM_BLOCKS = 6   # PROMPT's 23 tokens in blocks of 4
 
@@ -102,3 +108,56 @@ def test_num_tokens_one_off_the_lease_is_refused(pair, want, dealer, off):
     assert pull_with(gen, f"len{off}", delta) == want
     wait_for_release(ctx)
     assert_healthy(ctx, gen)
+
+
+# -- KV endpoints a GEN may dial --------------------------------------------------------------
+
+@pytest.fixture
+def listener():
+    """A TCP socket listening on loopback that nothing should ever connect to."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        sock.settimeout(1.0)
+        yield sock
+
+
+def assert_refused_endpoint(gen, handle, first_tokens):
+    with pytest.raises(InvalidRequestError) as err:
+        gen.add_request("outside", PROMPT, GREEDY, remote=RemotePrefill(handle, first_tokens))
+    assert err.value.param == "disaggregated_params.kv_handle"
+    assert "--kv-peers" in str(err.value)
+    host, port = handle.endpoint.removeprefix("tcp://").rsplit(":", 1)
+    assert host not in str(err.value) and port not in str(err.value)   # not echoed
+
+
+def test_a_gen_dials_only_its_kv_peers(tiny_source, pair, want, listener):
+    ctx, _ = pair
+    gen = engine(tiny_source, peers=(ctx.remote_kv.endpoint,))
+    try:
+        delta = handoff(ctx, "peers")
+        port = listener.getsockname()[1]
+        outside = msgspec.structs.replace(delta.kv_handle, endpoint=f"tcp://127.0.0.1:{port}")
+        assert_refused_endpoint(gen, outside, delta.token_ids)
+        for _ in range(5):
+            gen.step()
+        with pytest.raises(socket.timeout):
+            listener.accept()   # no connection was attempted
+        assert connections_to(port) == 0
+        assert pull_with(gen, "peers", delta) == want   # its one peer serves as before
+        wait_for_release(ctx)
+        assert_healthy(ctx, gen)
+    finally:
+        close_engines(gen)
+
+
+@pytest.mark.parametrize("endpoint", ["tcp://10.1.2.3:5555", "tcp://example.com:80",
+                                      "tcp://0.0.0.0:5555", "tcp://[fe80::1]:5555"])
+def test_without_kv_peers_only_loopback_endpoints_are_dialed(pair, endpoint):
+    ctx, gen = pair
+    delta = handoff(ctx, "loopback-only")
+    assert_refused_endpoint(gen, msgspec.structs.replace(delta.kv_handle, endpoint=endpoint),
+                            delta.token_ids)
+    assert gen.block_manager.num_free_blocks == gen.block_manager.num_blocks
+    ctx.remote_kv.leases.release(delta.kv_handle.ctx_request_id, delta.kv_handle.lease_token)
+    wait_for_release(ctx)

@@ -18,6 +18,7 @@ from splitserve.engine.kv_leases import LeaseTable
 from splitserve.engine.request import NO_BLOCKS, Request
 from splitserve.errors import InvalidRequestError
 from splitserve.kv.base import PullResult, layout_fingerprint, make_transport
+from splitserve.kv.peers import KVPeers
 from splitserve.kv.sockets import valid_endpoint
 from splitserve.protocol.engine import KVHandle, RemotePrefill
 
@@ -31,6 +32,7 @@ class RemoteKV:
         self.layout = layout_fingerprint(model_config, dtype, bm.block_size)
         self.wake = lambda: None          # the process wrapper points this at its loop
         self.leases = LeaseTable(config.lease_seconds, wake=lambda: self.wake())
+        self.peers = KVPeers(config.peers)
         self.transport = make_transport(config.backend, kv_cache, self.layout, host=config.host,
                                         port=config.port, timeout=config.timeout,
                                         connect_timeout=config.connect_timeout,
@@ -38,8 +40,12 @@ class RemoteKV:
                                         pull_threads=config.pull_threads, secret=config.secret)
         self.endpoint = self.transport.start(self.leases)
         self.results: queue.SimpleQueue = queue.SimpleQueue()
-        logger.info("engine: KV transport %s at %s (%s)", config.backend, self.endpoint,
-                    "CURVE" if config.secret else "plaintext")
+        self._log_start()
+
+    def _log_start(self) -> None:
+        config = self.config
+        logger.info("engine: KV transport %s at %s (%s); pulls allowed from %s", config.backend,
+                    self.endpoint, "CURVE" if config.secret else "plaintext", self.peers.describe())
         if not config.secret:
             logger.warning("engine: no internal secret: the KV channel is plaintext and any "
                            "process that reaches %s may connect (set SPLITSERVE_INTERNAL_SECRET "
@@ -65,13 +71,18 @@ class RemoteKV:
     # -- generation_only ------------------------------------------------------------------
     def check(self, remote: RemotePrefill, prompt_len: int, vocab_size: int) -> None:
         h = remote.handle
-        if h.layout != self.layout:
-            raise InvalidRequestError(f"KV layout mismatch: the context worker has [{h.layout}], "
-                                      f"this worker has [{self.layout}]",
+        if h.layout != self.layout:   # the layouts go to the log: they describe the deployment
+            logger.warning("engine: KV layout mismatch: a handle of [%.200s], this worker [%s]",
+                           h.layout, self.layout)
+            raise InvalidRequestError("KV layout mismatch: the context worker's model, dtype or "
+                                      "KV block size differs from this worker's",
                                       "disaggregated_params.kv_handle")
         if not valid_endpoint(h.endpoint):
             raise InvalidRequestError("the KV handle's endpoint must be tcp://host:port",
                                       "disaggregated_params.kv_handle")
+        if not self.peers.allows(h.endpoint):   # never dialed, never echoed back
+            raise InvalidRequestError("the KV handle names a KV endpoint this worker does not "
+                                      "pull from (see its --kv-peers)", "disaggregated_params.kv_handle")
         if h.backend != self.config.backend:
             raise InvalidRequestError(f"the context worker uses KV backend {h.backend!r}, this "
                                       f"worker {self.config.backend!r}", "disaggregated_params.kv_handle")
@@ -102,6 +113,9 @@ class RemoteKV:
         while not self.results.empty():
             req, result = self.results.get()
             req.pulling = False
+            if not result.ok:   # the endpoint goes to the log only, never to the client
+                logger.warning("engine: KV pull of %s from %s failed: %s", req.request_id,
+                               req.remote.handle.endpoint, result.error)
             out.append((req, result))
         return out
 

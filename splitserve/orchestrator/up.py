@@ -11,6 +11,7 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -22,6 +23,8 @@ from splitserve.orchestrator.supervisor import Supervisor, WorkerChild
 
 logger = logging.getLogger(__name__)
 
+KV_HOST = "127.0.0.1"   # the workers' KV servers bind and advertise loopback (--kv-host's default)
+
 
 def worker_command(args, role: str, port: int) -> list[str]:
     cmd = [sys.executable, "-m", "splitserve.cli", "--log-level", args.log_level, "serve",
@@ -32,16 +35,35 @@ def worker_command(args, role: str, port: int) -> list[str]:
     return cmd
 
 
+def free_ports(first: int, count: int) -> list[int]:
+    """The first `count` ports from `first` on that nothing listens on now."""
+    ports, port = [], first
+    while len(ports) < count:
+        with socket.socket() as s:
+            try:
+                s.bind((KV_HOST, port))
+                ports.append(port)
+            except OSError:
+                pass
+        port += 1
+    return ports
+
+
 def start_workers(args) -> list[WorkerChild]:
     n = args.num_ctx + args.num_gen
     threads = args.threads or max(1, (os.cpu_count() or 1) // n)
     env = dict(os.environ, SPLITSERVE_NUM_THREADS=str(threads))
+    # Fixed KV ports: a restarted CTX comes back at the same endpoint, and each GEN is told
+    # the CTX endpoints it may pull from (it dials no other).
+    kv_ports = free_ports(args.port + 1 + n, args.num_ctx)
+    kv_peers = ",".join(f"tcp://{KV_HOST}:{p}" for p in kv_ports)
     children = []
     for i in range(n):
         role = "ctx" if i < args.num_ctx else "gen"
         port = args.port + 1 + i
+        kv = ["--kv-port", str(kv_ports[i])] if role == "ctx" else ["--kv-peers", kv_peers]
         children.append(WorkerChild(role, f"http://{args.host}:{port}",
-                                    worker_command(args, role, port), env))
+                                    worker_command(args, role, port) + kv, env))
     return children
 
 
