@@ -73,6 +73,16 @@ def _add_engine_arguments(p) -> None:
     p.add_argument("--kv-timeout", type=float, default=30.0, help="seconds a KV pull may take")
 
 
+def _add_secret_arguments(p, what: str) -> None:
+    p.add_argument("--api-key", default=None,
+                   help=f"clients of {what} must send `Authorization: Bearer <key>` on /v1/*, "
+                        "/tokenize and /detokenize (default: $SPLITSERVE_API_KEY; none: open)")
+    p.add_argument("--internal-secret", default=None,
+                   help="the cluster's internal secret, which the orchestrator's requests to "
+                        "workers carry (default: $SPLITSERVE_INTERNAL_SECRET; prefer the "
+                        "variable: every local user can read a command line)")
+
+
 def _serve(args) -> int:
     from splitserve.httpd.limits import HTTPLimits
     from splitserve.server.app import serve
@@ -92,11 +102,19 @@ def _serve(args) -> int:
 def _orchestrator(args) -> int:
     import asyncio
     from dataclasses import replace
-    from splitserve.orchestrator.app import run_orchestrator
+    from splitserve import envs
+    from splitserve.orchestrator.app import NO_SECRET, run_orchestrator
     from splitserve.orchestrator.cluster import ClusterConfig
     config = ClusterConfig.from_yaml(args.config)
     overrides = {k: v for k, v in (("host", args.host), ("port", args.port),
                                    ("max_in_flight", args.max_in_flight)) if v is not None}
+    # The command line, then the YAML, then the environment.
+    overrides["api_key"] = args.api_key or config.api_key or envs.api_key()
+    overrides["internal_secret"] = (args.internal_secret or config.internal_secret
+                                    or envs.internal_secret())
+    if not overrides["internal_secret"]:
+        logging.getLogger("splitserve.orchestrator").error("orch: %s", NO_SECRET)
+        return 2
     asyncio.run(run_orchestrator(replace(config, **overrides)))
     return 0
 
@@ -153,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     orch.add_argument("--port", type=int, default=None)
     orch.add_argument("--max-in-flight", type=int, default=None,
                       help="requests served at once; past it, 503 at once (overrides the YAML)")
+    _add_secret_arguments(orch, "the cluster")
     orch.set_defaults(func=_orchestrator)
 
     upp = sub.add_parser("up", help="a local cluster: orchestrator + CTX + GEN workers")
@@ -176,6 +195,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "event (default 600)")
     upp.add_argument("--idle-timeout", type=float, default=None,
                      help="seconds a GEN stream may go without sending anything (default 120)")
+    upp.add_argument("--api-key", default=None,
+                     help="clients must send `Authorization: Bearer <key>` to the orchestrator "
+                          "and the workers (default: $SPLITSERVE_API_KEY; none: open). The "
+                          "internal secret is $SPLITSERVE_INTERNAL_SECRET, else generated")
     upp.set_defaults(func=_up)
 
     bench = sub.add_parser("bench", help="benchmarks")

@@ -10,12 +10,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import secrets
 import signal
 import subprocess
 import sys
 import time
 import urllib.request
 
+from splitserve import envs
 from splitserve.orchestrator.app import run_orchestrator
 from splitserve.orchestrator.cluster import ClusterConfig, PoolConfig
 from splitserve.orchestrator.supervisor import Supervisor, WorkerChild
@@ -32,10 +34,22 @@ def worker_command(args, role: str, port: int) -> list[str]:
     return cmd
 
 
-def start_workers(args) -> list[WorkerChild]:
+def cluster_secrets(args) -> dict[str, str]:
+    """The API key (--api-key or the environment's) and the internal secret (the
+    environment's, else a fresh one) as the variables every child reads them from: a
+    command line is readable by every local user, a process's environment is not. Workers
+    get the API key too, so a client that goes around the orchestrator needs it as well."""
+    out = {"SPLITSERVE_INTERNAL_SECRET": envs.internal_secret() or secrets.token_urlsafe(32)}
+    api_key = args.api_key or envs.api_key()
+    if api_key:
+        out["SPLITSERVE_API_KEY"] = api_key
+    return out
+
+
+def start_workers(args, secret_env: dict[str, str]) -> list[WorkerChild]:
     n = args.num_ctx + args.num_gen
     threads = args.threads or max(1, (os.cpu_count() or 1) // n)
-    env = dict(os.environ, SPLITSERVE_NUM_THREADS=str(threads))
+    env = dict(os.environ, SPLITSERVE_NUM_THREADS=str(threads), **secret_env)
     children = []
     for i in range(n):
         role = "ctx" if i < args.num_ctx else "gen"
@@ -86,7 +100,8 @@ def banner(config: ClusterConfig) -> str:
 
 
 def up(args) -> int:
-    children = start_workers(args)
+    secret_env = cluster_secrets(args)
+    children = start_workers(args, secret_env)
     supervisor = Supervisor(children)
     # Signals during startup must still stop the children.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
@@ -97,7 +112,8 @@ def up(args) -> int:
                                                 "idle_timeout") if getattr(args, k) is not None}
         config = ClusterConfig(PoolConfig(urls["ctx"], args.ctx_router),
                                PoolConfig(urls["gen"], args.gen_router), host=args.host,
-                               port=args.port, **limits)
+                               port=args.port, api_key=secret_env.get("SPLITSERVE_API_KEY"),
+                               internal_secret=secret_env["SPLITSERVE_INTERNAL_SECRET"], **limits)
         asyncio.run(run_orchestrator(config, banner=banner(config),
                                      companion=lambda orch: supervisor.watch(orch.mark_down)))
         return 0
