@@ -83,19 +83,31 @@ def _add_secret_arguments(p, what: str) -> None:
                         "variable: every local user can read a command line)")
 
 
-def _serve(args) -> int:
+def server_config(args):
+    """`serve`'s ServerConfig: the secrets from the command line or the environment."""
+    from dataclasses import replace
+    from splitserve import envs
     from splitserve.httpd.limits import HTTPLimits
-    from splitserve.server.app import serve
     from splitserve.server.config import ServerConfig
-    serve(ServerConfig(host=args.host, port=args.port, role=args.role,
-                       served_model_name=args.served_model_name,
-                       max_body_bytes=args.max_body_bytes,
-                       max_waiting_requests=args.max_waiting_requests,
-                       engine_stall_seconds=args.engine_stall_seconds,
-                       http=HTTPLimits(head_timeout=args.request_head_timeout,
-                                       body_timeout=args.request_body_timeout,
-                                       max_connections=args.max_connections),
-                       engine=_engine_config(args)))
+    secret = args.internal_secret or envs.internal_secret()
+    engine = _engine_config(args)
+    # The engine process keys the KV channel with it (its config crosses pickled, not argv).
+    engine = replace(engine, kv=replace(engine.kv, secret=secret))
+    return ServerConfig(host=args.host, port=args.port, role=args.role,
+                        api_key=args.api_key or envs.api_key(), internal_secret=secret,
+                        served_model_name=args.served_model_name,
+                        max_body_bytes=args.max_body_bytes,
+                        max_waiting_requests=args.max_waiting_requests,
+                        engine_stall_seconds=args.engine_stall_seconds,
+                        http=HTTPLimits(head_timeout=args.request_head_timeout,
+                                        body_timeout=args.request_body_timeout,
+                                        max_connections=args.max_connections),
+                        engine=engine)
+
+
+def _serve(args) -> int:
+    from splitserve.server.app import serve
+    serve(server_config(args))
     return 0
 
 
@@ -163,6 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--bench-skip-kv-pull", action="store_true",
                        help="benchmark only: generation_only requests skip the KV pull and "
                             "decode from stale blocks; output is garbage")
+    _add_secret_arguments(serve, "this worker")
     serve.set_defaults(func=_serve)
 
     orch = sub.add_parser("orchestrator", help="the cluster's front door, from a cluster YAML")

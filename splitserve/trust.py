@@ -126,7 +126,8 @@ class Gate:
         """A worker's checks, before anything of the request is acted on: the API key (or
         the internal secret), and disaggregated_params only with the internal secret."""
         refusal = self.key_refusal(path, header, accept_internal=True)
-        if refusal is None and body and carries_disaggregated_params(body) \
-                and not self.internal(header):
+        # the secret first: the orchestrator's requests skip parsing the body for the field
+        if refusal is None and body and not self.internal(header) \
+                and carries_disaggregated_params(body):
             refusal = forbidden(self.secret is not None)
         return refusal
