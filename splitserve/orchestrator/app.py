@@ -197,8 +197,9 @@ class Orchestrator:
             if server.healthy:
                 try:
                     async with self.session.get(server.url + "/v1/models", timeout=_PROBE) as r:
-                        return web.Response(status=r.status, body=await r.read(),
-                                            content_type="application/json")
+                        if r.status != 200:   # (a worker's refusal is not the client's answer)
+                            continue
+                        return web.Response(body=await r.read(), content_type="application/json")
                 except (aiohttp.ClientError, asyncio.TimeoutError):
                     continue
         return relay.json_error(503, "no generation worker is available; retry later",

@@ -92,9 +92,11 @@ def stop_workers(procs: list[subprocess.Popen], timeout: float = 30.0) -> None:
 
 def banner(config: ClusterConfig) -> str:
     url = f"http://{config.host}:{config.port}"
+    auth = "  -H 'Authorization: Bearer <your API key>' \\\n" if config.api_key else ""
     return (f"\nsplitserve is up: {url}  (ctx: {len(config.context_servers.urls)}, "
             f"gen: {len(config.generation_servers.urls)}); Ctrl-C stops everything\n\n"
             f"curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+            f"{auth}"
             f"  -d '{{\"messages\": [{{\"role\": \"user\", \"content\": \"What is the capital of "
             f"France?\"}}], \"max_tokens\": 32, \"temperature\": 0}}'\n")
 
