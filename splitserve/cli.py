@@ -46,7 +46,7 @@ def _engine_config(args):
                           enable_prefix_caching=not args.no_prefix_caching),
         scheduler=SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs),
         kv=KVTransferConfig(args.kv_backend, args.kv_host, args.kv_port, args.kv_lease_seconds,
-                            args.kv_timeout, secret=envs.internal_secret(), peers=args.kv_peers,
+                            args.kv_timeout, peers=args.kv_peers,
                             bench_skip_pull=getattr(args, "bench_skip_kv_pull", False)))
 
 
@@ -77,30 +77,60 @@ def _add_engine_arguments(p) -> None:
                         "this worker may pull from (default: loopback endpoints only)")
 
 
-def _serve(args) -> int:
+def _add_secret_arguments(p, what: str) -> None:
+    p.add_argument("--api-key", default=None,
+                   help=f"clients of {what} must send `Authorization: Bearer <key>` on /v1/*, "
+                        "/tokenize and /detokenize (default: $SPLITSERVE_API_KEY; none: open)")
+    p.add_argument("--internal-secret", default=None,
+                   help="the cluster's internal secret, which the orchestrator's requests to "
+                        "workers carry (default: $SPLITSERVE_INTERNAL_SECRET; prefer the "
+                        "variable: every local user can read a command line)")
+
+
+def server_config(args):
+    """`serve`'s ServerConfig: the secrets from the command line or the environment."""
+    from dataclasses import replace
+    from splitserve import envs
     from splitserve.httpd.limits import HTTPLimits
-    from splitserve.server.app import serve
     from splitserve.server.config import ServerConfig
-    serve(ServerConfig(host=args.host, port=args.port, role=args.role,
-                       served_model_name=args.served_model_name,
-                       max_body_bytes=args.max_body_bytes,
-                       max_waiting_requests=args.max_waiting_requests,
-                       engine_stall_seconds=args.engine_stall_seconds,
-                       http=HTTPLimits(head_timeout=args.request_head_timeout,
-                                       body_timeout=args.request_body_timeout,
-                                       max_connections=args.max_connections),
-                       engine=_engine_config(args)))
+    secret = args.internal_secret or envs.internal_secret()
+    engine = _engine_config(args)
+    # The engine process keys the KV channel with it (its config crosses pickled, not argv).
+    engine = replace(engine, kv=replace(engine.kv, secret=secret))
+    return ServerConfig(host=args.host, port=args.port, role=args.role,
+                        api_key=args.api_key or envs.api_key(), internal_secret=secret,
+                        served_model_name=args.served_model_name,
+                        max_body_bytes=args.max_body_bytes,
+                        max_waiting_requests=args.max_waiting_requests,
+                        engine_stall_seconds=args.engine_stall_seconds,
+                        http=HTTPLimits(head_timeout=args.request_head_timeout,
+                                        body_timeout=args.request_body_timeout,
+                                        max_connections=args.max_connections),
+                        engine=engine)
+
+
+def _serve(args) -> int:
+    from splitserve.server.app import serve
+    serve(server_config(args))
     return 0
 
 
 def _orchestrator(args) -> int:
     import asyncio
     from dataclasses import replace
-    from splitserve.orchestrator.app import run_orchestrator
+    from splitserve import envs
+    from splitserve.orchestrator.app import NO_SECRET, run_orchestrator
     from splitserve.orchestrator.cluster import ClusterConfig
     config = ClusterConfig.from_yaml(args.config)
     overrides = {k: v for k, v in (("host", args.host), ("port", args.port),
                                    ("max_in_flight", args.max_in_flight)) if v is not None}
+    # The command line, then the YAML, then the environment.
+    overrides["api_key"] = args.api_key or config.api_key or envs.api_key()
+    overrides["internal_secret"] = (args.internal_secret or config.internal_secret
+                                    or envs.internal_secret())
+    if not overrides["internal_secret"]:
+        logging.getLogger("splitserve.orchestrator").error("orch: %s", NO_SECRET)
+        return 2
     asyncio.run(run_orchestrator(replace(config, **overrides)))
     return 0
 
@@ -149,6 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--bench-skip-kv-pull", action="store_true",
                        help="benchmark only: generation_only requests skip the KV pull and "
                             "decode from stale blocks; output is garbage")
+    _add_secret_arguments(serve, "this worker")
     serve.set_defaults(func=_serve)
 
     orch = sub.add_parser("orchestrator", help="the cluster's front door, from a cluster YAML")
@@ -157,6 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     orch.add_argument("--port", type=int, default=None)
     orch.add_argument("--max-in-flight", type=int, default=None,
                       help="requests served at once; past it, 503 at once (overrides the YAML)")
+    _add_secret_arguments(orch, "the cluster")
     orch.set_defaults(func=_orchestrator)
 
     upp = sub.add_parser("up", help="a local cluster: orchestrator + CTX + GEN workers")
@@ -180,6 +212,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "event (default 600)")
     upp.add_argument("--idle-timeout", type=float, default=None,
                      help="seconds a GEN stream may go without sending anything (default 120)")
+    upp.add_argument("--api-key", default=None,
+                     help="clients must send `Authorization: Bearer <key>` to the orchestrator "
+                          "and the workers (default: $SPLITSERVE_API_KEY; none: open). The "
+                          "internal secret is $SPLITSERVE_INTERNAL_SECRET, else generated")
     upp.set_defaults(func=_up)
 
     bench = sub.add_parser("bench", help="benchmarks")

@@ -9,6 +9,14 @@ import urllib.error
 import urllib.request
 
 from splitserve.bench.server_process import ServerProcess, free_port
+from splitserve.trust import INTERNAL_HEADER
+
+# The internal secret of every process the tests start (they inherit this environment),
+# as `splitserve up` would hand it to its workers. post() and stream() send it, so a test
+# may play the orchestrator's part on a worker's own port; tests of what a public client
+# may do send their own headers.
+TEST_SECRET = os.environ.setdefault("SPLITSERVE_INTERNAL_SECRET", "test-internal-secret")
+INTERNAL = {INTERNAL_HEADER: TEST_SECRET}
 
 
 class Worker(ServerProcess):
@@ -38,9 +46,11 @@ def get(url: str) -> tuple[int, bytes]:
         return e.code, e.read()
 
 
-def post(url: str, body, timeout: float = 120) -> tuple[int, dict]:
+def post(url: str, body, timeout: float = 120, headers: dict | None = None) -> tuple[int, dict]:
+    """headers: instead of the internal secret's (INTERNAL)."""
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(url, data=data, headers={
+        "Content-Type": "application/json", **(INTERNAL if headers is None else headers)})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, json.loads(r.read())
@@ -48,10 +58,35 @@ def post(url: str, body, timeout: float = 120) -> tuple[int, dict]:
         return e.code, json.loads(e.read())
 
 
-def stream(url: str, body: dict, timeout: float = 120) -> list[dict | str]:
-    """POST with stream: true; returns the parsed SSE events (the final '[DONE]' as a str)."""
+def call(method: str, url: str, body=None, headers: dict | None = None) -> tuple[int, dict, dict]:
+    """(status, JSON answer, response headers), sending only the headers given."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read()), dict(r.headers)
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read()), dict(e.headers)
+
+
+def assert_unauthorized(status: int, body: dict, headers: dict, message_start: str) -> None:
+    """A 401 as OpenAI answers it (the key never echoed)."""
+    assert status == 401, body
+    assert headers.get("WWW-Authenticate") == "Bearer"
+    error = body["error"]
+    assert error["type"] == "invalid_request_error" and error["code"] == "invalid_api_key"
+    assert error["param"] is None and error["message"].startswith(message_start), error
+    assert "sk-" not in error["message"]
+
+
+def stream(url: str, body: dict, timeout: float = 120,
+           headers: dict | None = None) -> list[dict | str]:
+    """POST with stream: true; returns the parsed SSE events (the final '[DONE]' as a str).
+    headers: instead of the internal secret's (INTERNAL)."""
     data = json.dumps({**body, "stream": True}).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(url, data=data, headers={
+        "Content-Type": "application/json", **(INTERNAL if headers is None else headers)})
     events = []
     with urllib.request.urlopen(req, timeout=timeout) as r:
         assert r.headers["Content-Type"].startswith("text/event-stream")
@@ -83,7 +118,8 @@ class Orchestrator(ServerProcess):
         port = free_port()
         path = tmp_path / f"cluster-{port}.yaml"
         path.write_text(yaml.safe_dump({
-            "port": port, "health_check_interval": 0.5, **config,
+            "port": port, "health_check_interval": 0.5, "internal_secret": TEST_SECRET,
+            **config,
             "context_servers": {"urls": list(ctx_urls), "router": ctx_router},
             "generation_servers": {"urls": list(gen_urls), "router": gen_router}}))
         super().__init__(["orchestrator", "-c", str(path)], port)

@@ -6,7 +6,7 @@ import base64
 import numpy as np
 import pytest
 
-from server_utils import Orchestrator, Worker, metrics, post, stream
+from server_utils import INTERNAL, TEST_SECRET, Orchestrator, Worker, metrics, post, stream
 from splitserve.tokens import PromptTokens
 
 MODEL = ("--model", "tiny-random", "--dtype", "float32")
@@ -118,13 +118,14 @@ def test_b64_path_builds_no_python_list_of_the_prompt(cluster, monkeypatch, tiny
         raise AssertionError("a Python list of the prompt was built")
 
     async def run():
-        server = WorkerServer(ServerConfig(role="gen", port=0, engine=EngineConfig(
-            model="tiny-random", dtype="float32", num_threads=1)))
+        server = WorkerServer(ServerConfig(
+            role="gen", port=0, internal_secret=TEST_SECRET, engine=EngineConfig(
+                model="tiny-random", dtype="float32", num_threads=1)))
         await server.start()
         monkeypatch.setattr(PromptTokens, "tolist", forbidden)
         monkeypatch.setattr(PromptTokens, "from_list", forbidden)
         try:
-            async with aiohttp.ClientSession() as client:
+            async with aiohttp.ClientSession(headers=INTERNAL) as client:
                 url = f"http://127.0.0.1:{server.http.port}/v1/completions"
                 async with client.post(url, json={**COMPLETION, "disaggregated_params": {
                         **dp, "request_type": "generation_only"}}) as r:

@@ -7,8 +7,10 @@ import json
 import os
 import urllib.request
 
+from splitserve import envs
 from splitserve.bench.frontend_config import BenchError, FrontendBenchConfig
 from splitserve.bench.server_process import ServerProcess, free_port
+from splitserve.trust import INTERNAL_HEADER
 
 
 def tiny_layout(block_size: int) -> tuple[str, int, int]:
@@ -66,8 +68,10 @@ def _cpu_seconds(pid: int) -> float:
 
 
 def get_json(url: str) -> dict:
+    secret = envs.internal_secret()   # in place of an API key the worker may require
+    request = urllib.request.Request(url, headers={INTERNAL_HEADER: secret} if secret else {})
     try:
-        with urllib.request.urlopen(url, timeout=10) as r:
+        with urllib.request.urlopen(request, timeout=10) as r:
             return json.loads(r.read())
     except (OSError, ValueError) as exc:
         raise BenchError(f"GET {url} failed: {exc}") from None

@@ -17,10 +17,16 @@ import asyncio
 import time
 from urllib.parse import urlsplit
 
+from splitserve import envs
+from splitserve.trust import INTERNAL_HEADER
+
 
 class HTTPConnection:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, host: bytes):
         self.reader, self.writer, self.host = reader, writer, host
+        # generation_only requests are the cluster's internal ones: they carry its secret
+        secret = envs.internal_secret()
+        self.extra = b"%s: %s\r\n" % (INTERNAL_HEADER.encode(), secret.encode()) if secret else b""
 
     @classmethod
     async def open(cls, url: str) -> HTTPConnection:
@@ -40,8 +46,9 @@ class HTTPConnection:
                       content_type: bytes = b"application/json") -> tuple[int, bytes, float]:
         sent_at = time.time()
         self.writer.write(b"%s %s HTTP/1.1\r\nHost: %s\r\nContent-Type: %s\r\n"
-                          b"Content-Length: %d\r\nX-Sent-At: %r\r\n\r\n"
-                          % (method, path.encode(), self.host, content_type, len(body), sent_at))
+                          b"Content-Length: %d\r\n%sX-Sent-At: %r\r\n\r\n"
+                          % (method, path.encode(), self.host, content_type, len(body),
+                             self.extra, sent_at))
         self.writer.write(body)
         try:
             await self.writer.drain()

@@ -18,8 +18,13 @@ from splitserve.orchestrator.pools import ROLE, Pool, Tries
 from splitserve.server.config import LISTEN_BACKLOG
 from splitserve.server.metrics import Counter, Gauge, Histogram, Registry
 from splitserve.signals import wait_for_stop_signal
+from splitserve.trust import INTERNAL_HEADER, Gate
 
 logger = logging.getLogger(__name__)
+
+NO_SECRET = ("the orchestrator needs the cluster's internal secret (the one its workers have) "
+             "to call its workers: pass --internal-secret, set internal_secret in the cluster "
+             "YAML, or set SPLITSERVE_INTERNAL_SECRET")
 
 
 class OrchestratorMetrics:
@@ -50,11 +55,14 @@ class OrchestratorMetrics:
 
 class Orchestrator:
     def __init__(self, config: ClusterConfig):
+        if not config.internal_secret:
+            raise ValueError(NO_SECRET)
         self.config = config
+        self.gate = Gate(config.api_key, None)
         self.ctx = Pool("ctx", config.context_servers.urls, config.context_servers.router)
         self.gen = Pool("gen", config.generation_servers.urls, config.generation_servers.router)
         self.metrics = OrchestratorMetrics()
-        self.app = web.Application(client_max_size=256 << 20)
+        self.app = web.Application(client_max_size=256 << 20, middlewares=[self.check_key])
         self.app.add_routes([
             web.post("/v1/completions", self.generate), web.post("/v1/chat/completions", self.generate),
             web.get("/v1/models", self.models), web.get("/health", self.health),
@@ -64,6 +72,18 @@ class Orchestrator:
         self.in_flight = 0
 
     # -- the request path -----------------------------------------------------------------
+    @web.middleware
+    async def check_key(self, request: web.Request, handler) -> web.StreamResponse:
+        """401 on a public route without the API key (when one is set)."""
+        refusal = self.gate.key_refusal(request.path, request.headers.get)
+        if refusal is not None:
+            routed = request.match_info.http_exception is None   # (a bounded label set)
+            self.metrics.requests.labels(request.path if routed else "other", "refused",
+                                         refusal.status).inc()
+            return web.Response(status=refusal.status, body=refusal.body,
+                                content_type="application/json", headers=refusal.headers)
+        return await handler(request)
+
     async def generate(self, request: web.Request) -> web.StreamResponse:
         if self.in_flight >= self.config.max_in_flight:
             self.metrics.requests.labels(request.path, "shed", 503).inc()
@@ -177,8 +197,9 @@ class Orchestrator:
             if server.healthy:
                 try:
                     async with self.session.get(server.url + "/v1/models", timeout=_PROBE) as r:
-                        return web.Response(status=r.status, body=await r.read(),
-                                            content_type="application/json")
+                        if r.status != 200:   # (a worker's refusal is not the client's answer)
+                            continue
+                        return web.Response(body=await r.read(), content_type="application/json")
                 except (aiohttp.ClientError, asyncio.TimeoutError):
                     continue
         return relay.json_error(503, "no generation worker is available; retry later",
@@ -221,7 +242,9 @@ class Orchestrator:
         # stream.py the gaps in a stream, however long the stream runs.
         self.session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout),
-            connector=aiohttp.TCPConnector(limit=0))
+            connector=aiohttp.TCPConnector(limit=0),
+            # Every request to a worker: CTX, GEN, migrations, health checks, /v1/models.
+            headers={INTERNAL_HEADER: self.config.internal_secret})
         self._health_task = asyncio.create_task(self._health_loop())
         self.gc.start()
         runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import yaml
 
@@ -40,6 +40,11 @@ class ClusterConfig:
     # A generation worker that dies mid-stream: continue the stream on another one from the
     # tokens already sent (orchestrator/migrate.py); off: the stream ends with an error event.
     migrate_streams: bool = True
+    # Clients send `Authorization: Bearer <api_key>` when it is set. Every request to a
+    # worker carries internal_secret (splitserve/trust.py); the orchestrator does not start
+    # without it. Neither is ever logged.
+    api_key: str | None = field(default=None, repr=False)
+    internal_secret: str | None = field(default=None, repr=False)
 
     def __post_init__(self):
         if self.token_relay not in RELAY_MODES:

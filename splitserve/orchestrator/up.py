@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -17,6 +18,7 @@ import sys
 import time
 import urllib.request
 
+from splitserve import envs
 from splitserve.orchestrator.app import run_orchestrator
 from splitserve.orchestrator.cluster import ClusterConfig, PoolConfig
 from splitserve.orchestrator.supervisor import Supervisor, WorkerChild
@@ -49,10 +51,22 @@ def free_ports(first: int, count: int) -> list[int]:
     return ports
 
 
-def start_workers(args) -> list[WorkerChild]:
+def cluster_secrets(args) -> dict[str, str]:
+    """The API key (--api-key or the environment's) and the internal secret (the
+    environment's, else a fresh one) as the variables every child reads them from: a
+    command line is readable by every local user, a process's environment is not. Workers
+    get the API key too, so a client that goes around the orchestrator needs it as well."""
+    out = {"SPLITSERVE_INTERNAL_SECRET": envs.internal_secret() or secrets.token_urlsafe(32)}
+    api_key = args.api_key or envs.api_key()
+    if api_key:
+        out["SPLITSERVE_API_KEY"] = api_key
+    return out
+
+
+def start_workers(args, secret_env: dict[str, str]) -> list[WorkerChild]:
     n = args.num_ctx + args.num_gen
     threads = args.threads or max(1, (os.cpu_count() or 1) // n)
-    env = dict(os.environ, SPLITSERVE_NUM_THREADS=str(threads))
+    env = dict(os.environ, SPLITSERVE_NUM_THREADS=str(threads), **secret_env)
     # Fixed KV ports: a restarted CTX comes back at the same endpoint, and each GEN is told
     # the CTX endpoints it may pull from (it dials no other).
     kv_ports = free_ports(args.port + 1 + n, args.num_ctx)
@@ -100,15 +114,18 @@ def stop_workers(procs: list[subprocess.Popen], timeout: float = 30.0) -> None:
 
 def banner(config: ClusterConfig) -> str:
     url = f"http://{config.host}:{config.port}"
+    auth = "  -H 'Authorization: Bearer <your API key>' \\\n" if config.api_key else ""
     return (f"\nsplitserve is up: {url}  (ctx: {len(config.context_servers.urls)}, "
             f"gen: {len(config.generation_servers.urls)}); Ctrl-C stops everything\n\n"
             f"curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+            f"{auth}"
             f"  -d '{{\"messages\": [{{\"role\": \"user\", \"content\": \"What is the capital of "
             f"France?\"}}], \"max_tokens\": 32, \"temperature\": 0}}'\n")
 
 
 def up(args) -> int:
-    children = start_workers(args)
+    secret_env = cluster_secrets(args)
+    children = start_workers(args, secret_env)
     supervisor = Supervisor(children)
     # Signals during startup must still stop the children.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
@@ -119,7 +136,8 @@ def up(args) -> int:
                                                 "idle_timeout") if getattr(args, k) is not None}
         config = ClusterConfig(PoolConfig(urls["ctx"], args.ctx_router),
                                PoolConfig(urls["gen"], args.gen_router), host=args.host,
-                               port=args.port, **limits)
+                               port=args.port, api_key=secret_env.get("SPLITSERVE_API_KEY"),
+                               internal_secret=secret_env["SPLITSERVE_INTERNAL_SECRET"], **limits)
         asyncio.run(run_orchestrator(config, banner=banner(config),
                                      companion=lambda orch: supervisor.watch(orch.mark_down)))
         return 0

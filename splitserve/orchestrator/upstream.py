@@ -72,8 +72,7 @@ async def post_json(session: aiohttp.ClientSession, url: str, data: bytes,
         async with asyncio.timeout(first_byte_timeout):
             async with session.post(url, data=data, headers=_headers()) as r:
                 status, raw = r.status, await r.read()
-    if status >= 500:
-        raise Retry("server_error", f"answered {status}: {raw[:200]!r}")
+    _check_status(status, raw)
     try:
         return status, orjson.loads(raw)
     except orjson.JSONDecodeError:
@@ -110,10 +109,18 @@ async def _first_event(r: aiohttp.ClientResponse) -> bytes:
     return buf
 
 
-def _check(held: Held) -> None:
-    status = held.response.status
+def _check_status(status: int, raw: bytes) -> None:
     if status >= 500:
-        raise Retry("server_error", f"answered {status}: {held.head[:200]!r}")
+        raise Retry("server_error", f"answered {status}: {raw[:200]!r}")
+    # The worker refused the orchestrator itself (its internal secret is not this one's):
+    # the client did nothing wrong, and the worker's words are about the cluster's insides.
+    if status in (401, 403):
+        raise Retry("refused", f"refused the orchestrator's internal secret ({status}); "
+                               f"is SPLITSERVE_INTERNAL_SECRET the same everywhere?")
+
+
+def _check(held: Held) -> None:
+    _check_status(held.response.status, held.head)
     first = held.head[held.head.find(b"data:"):] if held.streaming else b""
     if first.startswith(b'data: {"error"'):
         try:

@@ -20,6 +20,7 @@ from splitserve.server.engine_client import EngineClient, EngineDeadError
 from splitserve.server.generate import GenerateHandlers
 from splitserve.server.metrics import ServerMetrics
 from splitserve.signals import wait_for_stop_signal
+from splitserve.trust import Gate, NotInternal, Refusal, forbidden
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,7 @@ class WorkerServer:
         self.token_text = functools.lru_cache(maxsize=65536)(
             lambda i: self.tokenizer.decode([i], skip_special_tokens=False))
         self.created = int(time.time())
+        self.gate = Gate(config.api_key, config.internal_secret)
         gen = GenerateHandlers(self)
         self.routes = {                    # path -> (method, handler)
             "/v1/completions": ("POST", gen.completions),
@@ -98,7 +100,10 @@ class WorkerServer:
         route = self.routes.get(request.path)
         status = 500
         try:
-            if route is None:
+            refusal = self.gate.worker_refusal(request.path, request.header, request.body)
+            if refusal is not None:
+                response = _refused(refusal)
+            elif route is None:
                 response = _error(404, f"no endpoint {request.path}", "NotFoundError")
             elif request.method != route[0] and (request.method, route[0]) != ("HEAD", "GET"):
                 response = _error(405, f"{request.path} takes {route[0]}, not {request.method}",
@@ -107,6 +112,9 @@ class WorkerServer:
                 response = await route[1](request)
             status = response.status
             return response
+        except NotInternal:
+            status = 403
+            return _refused(forbidden(self.gate.secret is not None))
         except ModelNotFound as exc:
             status = 404
             return _error(404, exc.message, "NotFoundError", exc.param, "model_not_found")
@@ -196,6 +204,10 @@ class WorkerServer:
 def _error(status: int, message: str, type: str, param: str | None = None,
            code: str | None = None, headers: dict[str, str] | None = None) -> Response:
     return Response(error_body(message, type, param, code), status, headers=headers)
+
+
+def _refused(refusal: Refusal) -> Response:
+    return Response(refusal.body, refusal.status, headers=refusal.headers)
 
 
 def _decode(struct, body: bytes):

@@ -25,6 +25,7 @@ from splitserve.protocol.openai import (
 from splitserve.sampling_params import SamplingParams
 from splitserve.server.engine_client import EngineDeadError
 from splitserve.tokens import PromptTokens
+from splitserve.trust import NotInternal
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +40,7 @@ class GenerateHandlers:
         arrival = _arrival(request)
         self.server.admit()
         req = decode_completion_request(request.body)
+        self._internal_only(request, req)
         self.server.check_model(req.model)
         params = req.sampling_params()
         if _request_type(req) == "generation_only":
@@ -58,6 +60,7 @@ class GenerateHandlers:
         arrival = _arrival(request)
         self.server.admit()
         req = decode_chat_request(request.body)
+        self._internal_only(request, req)
         self.server.check_model(req.model)
         params = req.sampling_params()
         if _request_type(req) == "generation_only":
@@ -73,6 +76,12 @@ class GenerateHandlers:
             return tok.encode(text, add_special_tokens=False)
         ids = await self.server.in_pool(render)
         return await self._respond(request, req, [PromptTokens(ids)], params, (), arrival)
+
+    def _internal_only(self, request: Request, req) -> None:
+        """The front door (WorkerServer.dispatch) refused a body carrying
+        disaggregated_params without the internal secret; this checks what was decoded."""
+        if req.disaggregated_params is not None and not self.server.gate.internal(request.header):
+            raise NotInternal()
 
     async def _completion_prompts(self, req: CompletionRequest):
         items, tok = req.prompts(), self.server.tokenizer

@@ -1,0 +1,131 @@
+"""Who may call what over HTTP.
+
+Public clients present the API key (`Authorization: Bearer <key>`) on the public routes
+(/v1/*, /tokenize, /detokenize) when one is configured; /health and /metrics stay open,
+as vLLM's do. The orchestrator's requests to its workers carry the cluster's internal
+secret in `INTERNAL_HEADER`: only such a request may carry `disaggregated_params` (prefill
+only, decode from a KV handle, resume after given tokens), and a worker takes it in place
+of the API key (the orchestrator does not forward client keys).
+
+Both comparisons are constant-time (hmac.compare_digest). Keys and secrets are compared as
+UTF-8; a header that is not the exact bytes fails the check, it never passes it.
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import Callable, NamedTuple
+
+import msgspec
+
+from splitserve.protocol.openai import error_body
+
+INTERNAL_HEADER = "X-Splitserve-Internal-Secret"
+CHALLENGE = {"WWW-Authenticate": "Bearer"}
+PUBLIC_PATHS = frozenset({"/tokenize", "/detokenize"})
+
+MISSING_KEY = ("You didn't provide an API key. You need to provide your API key in an "
+               "Authorization header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY).")
+WRONG_KEY = "Incorrect API key provided."
+NO_SECRET = ("disaggregated_params is only accepted on the cluster's internal requests, and "
+             "this worker has no internal secret configured, so it accepts none")
+NOT_INTERNAL = ("disaggregated_params is only accepted on the cluster's internal requests; "
+                "this request does not carry the cluster's internal secret")
+
+
+class NotInternal(Exception):
+    """A request carries disaggregated_params without the internal secret: 403."""
+
+
+class Refusal(NamedTuple):
+    """An answer to send instead of serving the request: status, OpenAI error body, headers."""
+    status: int
+    body: bytes
+    headers: dict[str, str] | None
+
+
+def is_public(path: str) -> bool:
+    return path.startswith("/v1/") or path in PUBLIC_PATHS
+
+
+def _same(given: str | None, expected: bytes | None) -> bool:
+    if given is None or expected is None:
+        return False
+    return hmac.compare_digest(given.encode("utf-8", "surrogateescape"), expected)
+
+
+def bearer_token(authorization: str | None) -> str | None:
+    """The token of `Authorization: Bearer <token>` (the scheme in any case), else None."""
+    if not authorization:
+        return None
+    scheme, _, token = authorization.strip().partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else None
+
+
+def unauthorized(authorization: str | None) -> Refusal:
+    """401 as OpenAI answers it: the key is missing or wrong (never echoed back)."""
+    message = WRONG_KEY if bearer_token(authorization) else MISSING_KEY
+    return Refusal(401, error_body(message, "invalid_request_error", None, "invalid_api_key"),
+                   CHALLENGE)
+
+
+def forbidden(has_secret: bool) -> Refusal:
+    """403: a public client sent what only the orchestrator may send."""
+    return Refusal(403, error_body(NOT_INTERNAL if has_secret else NO_SECRET,
+                                   "invalid_request_error", "disaggregated_params"), None)
+
+
+class _Probe(msgspec.Struct):
+    disaggregated_params: msgspec.Raw = msgspec.Raw(b"null")
+
+
+_probe = msgspec.json.Decoder(_Probe)
+
+
+def carries_disaggregated_params(body: bytes) -> bool:
+    """Whether a JSON body sets disaggregated_params (to anything but null), under any
+    spelling JSON allows for the name. The body is parsed for that one field, the others
+    skipped (faster than searching the bytes for the name). A body that is not a JSON
+    object does not carry it: the handler refuses it with a 400."""
+    try:
+        return bytes(_probe.decode(body).disaggregated_params) != b"null"
+    except msgspec.DecodeError:
+        return False
+
+
+class Gate:
+    """A server's checks: its API key (None: open) and the cluster's internal secret (None:
+    no internal request is accepted)."""
+
+    __slots__ = ("api_key", "secret")
+
+    def __init__(self, api_key: str | None, internal_secret: str | None):
+        self.api_key = api_key.encode() if api_key else None
+        self.secret = internal_secret.encode() if internal_secret else None
+
+    def internal(self, header: Callable[[str], str | None]) -> bool:
+        """The request carries the cluster's internal secret (header(name) reads a header)."""
+        return self.secret is not None and _same(header(INTERNAL_HEADER), self.secret)
+
+    def key_refusal(self, path: str, header: Callable[[str], str | None],
+                    accept_internal: bool = False) -> Refusal | None:
+        """401 for a public route without the API key (or, accept_internal, the secret)."""
+        if self.api_key is None or not is_public(path):
+            return None
+        authorization = header("Authorization")
+        if _same(bearer_token(authorization), self.api_key):
+            return None
+        if accept_internal and self.internal(header):
+            return None
+        return unauthorized(authorization)
+
+    def worker_refusal(self, path: str, header: Callable[[str], str | None],
+                       body: bytes) -> Refusal | None:
+        """A worker's checks, before anything of the request is acted on: the API key (or
+        the internal secret), and disaggregated_params only with the internal secret."""
+        refusal = self.key_refusal(path, header, accept_internal=True)
+        # the secret first: the orchestrator's requests skip parsing the body for the field
+        if refusal is None and body and not self.internal(header) \
+                and carries_disaggregated_params(body):
+            refusal = forbidden(self.secret is not None)
+        return refusal

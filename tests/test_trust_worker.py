@@ -1,0 +1,156 @@
+"""A worker's trust boundary, over real sockets: the API key on its public routes, and
+disaggregated_params only with the cluster's internal secret (no engine work, no KV dial
+for anything refused)."""
+
+import json
+import select
+import socket
+
+import pytest
+
+from server_utils import (INTERNAL, TEST_SECRET, Worker, assert_unauthorized, call, get, metrics,
+                          post, stream)
+from splitserve.trust import INTERNAL_HEADER
+
+KEY = "sk-worker-test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+MODEL = ("--model", "tiny-random", "--dtype", "float32")
+PROMPT = {"prompt": "The quick brown fox", "max_tokens": 4, "temperature": 0}
+CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "temperature": 0}
+PUBLIC = [("GET", "/v1/models", None), ("POST", "/v1/completions", PROMPT),
+          ("POST", "/v1/chat/completions", CHAT), ("POST", "/tokenize", {"prompt": "hi"}),
+          ("POST", "/detokenize", {"tokens": [1, 2]}), ("GET", "/v1/nowhere", None)]
+
+
+@pytest.fixture(scope="module")
+def worker():
+    """API key from the command line, internal secret from the environment (server_utils)."""
+    w = Worker(*MODEL, "--api-key", KEY)
+    yield w
+    w.close()
+
+
+@pytest.fixture(scope="module")
+def no_secret_worker():
+    """No internal secret and no API key anywhere: an open worker that takes no internal
+    request."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("SPLITSERVE_INTERNAL_SECRET")
+        mp.delenv("SPLITSERVE_API_KEY", raising=False)
+        w = Worker(*MODEL)
+    yield w
+    w.close()
+
+
+@pytest.mark.parametrize("method,path,body", PUBLIC)
+def test_public_routes_need_the_api_key(worker, method, path, body):
+    url = worker.url + path
+    assert_unauthorized(*call(method, url, body, {}), "You didn't provide an API key")
+    assert_unauthorized(*call(method, url, body, {"Authorization": "Bearer sk-wrong"}), "Incorrect")
+    assert_unauthorized(*call(method, url, body, {"Authorization": KEY}), "You didn't provide")
+    assert_unauthorized(*call(method, url, body, {"Authorization": f"Basic {KEY}"}), "You didn't")
+    assert_unauthorized(*call(method, url, body, {"Authorization": f"Bearer {KEY}x"}), "Incorrect")
+    status, answer, _ = call(method, url, body, AUTH)
+    assert status == (404 if path == "/v1/nowhere" else 200), answer
+
+
+def test_the_internal_secret_stands_in_for_the_key(worker):
+    assert call("POST", worker.url + "/v1/completions", PROMPT, INTERNAL)[0] == 200
+    wrong = {INTERNAL_HEADER: TEST_SECRET + "x"}
+    assert_unauthorized(*call("POST", worker.url + "/v1/completions", PROMPT, wrong), "You didn't")
+
+
+def test_health_and_metrics_stay_open(worker):
+    assert get(worker.url + "/health")[0] == 200
+    status, text = get(worker.url + "/metrics")
+    assert status == 200 and b"splitserve_requests_total" in text
+
+
+def generated(url: str) -> float:
+    m = metrics(url)
+    return m["splitserve_generation_tokens_total"] + m["splitserve_prompt_tokens_total"]
+
+
+def context_answer(worker) -> dict:
+    status, answer = post(worker.url + "/v1/completions", {
+        **PROMPT, "disaggregated_params": {"request_type": "context_only",
+                                           "token_relay": "list"}}, headers={**AUTH, **INTERNAL})
+    assert status == 200, answer
+    return answer["disaggregated_params"]
+
+
+def forged_bodies(dp: dict, endpoint: str) -> dict[str, tuple[str, dict]]:
+    """Each internal field a public client might send: (path, body)."""
+    forged = {**dp, "request_type": "generation_only",
+              "kv_handle": {**dp["kv_handle"], "endpoint": endpoint}}
+    return {
+        "context_only": ("/v1/completions", {**PROMPT, "disaggregated_params": {
+            "request_type": "context_only"}}),
+        "generation_only": ("/v1/completions", {**PROMPT, "disaggregated_params": forged}),
+        "resume_token_ids": ("/v1/chat/completions", {**CHAT, "stream": True,
+                                                      "disaggregated_params": {
+                                                          "resume_token_ids": [5, 6]}}),
+        "stream_token_ids": ("/v1/chat/completions", {**CHAT, "stream": True,
+                                                      "disaggregated_params": {
+                                                          "stream_token_ids": True}}),
+        "empty": ("/v1/completions", {**PROMPT, "disaggregated_params": {}}),
+        "malformed": ("/v1/completions", {**PROMPT, "disaggregated_params": {"prompt_len": -1}}),
+    }
+
+
+def escaped(body: dict) -> bytes:
+    """The same body with the field's name spelled with a JSON escape."""
+    return json.dumps(body).replace('"disaggregated_params"',
+                                    '"disaggregated\\u005fparams"').encode()
+
+
+def nothing_connects(listener: socket.socket, seconds: float) -> bool:
+    return not select.select([listener], [], [], seconds)[0]
+
+
+def test_internal_fields_from_a_public_client_are_refused(worker):
+    dp = context_answer(worker)
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        endpoint = f"tcp://127.0.0.1:{listener.getsockname()[1]}"
+        before = generated(worker.url)
+        for name, (path, body) in forged_bodies(dp, endpoint).items():
+            for data in (body, escaped(body)):
+                for headers in (AUTH, {**AUTH, INTERNAL_HEADER: "not-the-secret"}):
+                    status, answer = post(worker.url + path, data, headers=headers)
+                    assert status == 403, (name, answer)
+                    error = answer["error"]
+                    assert error["param"] == "disaggregated_params", answer
+                    assert "does not carry the cluster's internal secret" in error["message"]
+        assert nothing_connects(listener, 3.0), "the worker dialled the forged KV endpoint"
+        assert generated(worker.url) == before, "the engine worked on a refused request"
+    status, answer = post(worker.url + "/v1/completions", PROMPT, headers=AUTH)
+    assert status == 200 and answer["usage"]["completion_tokens"] == 4
+
+
+def test_internal_fields_with_the_secret_are_served(worker):
+    both = {**AUTH, **INTERNAL}
+    dp = context_answer(worker)
+    status, answer = post(worker.url + "/v1/completions", {
+        **PROMPT, "disaggregated_params": {**dp, "request_type": "generation_only"}},
+        headers=both)
+    assert status == 200 and answer["usage"]["completion_tokens"] == 4, answer
+    events = stream(worker.url + "/v1/chat/completions", {
+        **CHAT, "disaggregated_params": {"resume_token_ids": [5, 6]}}, headers=both)
+    assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1])
+    # only the secret, no key: the orchestrator's hop
+    events = stream(worker.url + "/v1/chat/completions", {
+        **CHAT, "disaggregated_params": {"stream_token_ids": True}})
+    assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1])
+
+
+def test_a_worker_without_a_secret_refuses_every_internal_request(no_secret_worker):
+    url = no_secret_worker.url
+    assert post(url + "/v1/completions", PROMPT, headers={})[0] == 200    # no key: open
+    before = generated(url)
+    for secret in (None, TEST_SECRET, ""):
+        headers = {} if secret is None else {INTERNAL_HEADER: secret}
+        for path, body in forged_bodies({"kv_handle": {}}, "tcp://127.0.0.1:1").values():
+            status, answer = post(url + path, body, headers=headers)
+            assert status == 403, answer
+            assert "has no internal secret configured" in answer["error"]["message"]
+    assert generated(url) == before
