@@ -49,7 +49,8 @@ class RemoteKV:
         return KVHandle(backend=self.config.backend, endpoint=self.endpoint,
                         ctx_request_id=req.request_id, layout=self.layout,
                         num_tokens=req.num_prompt_tokens,
-                        agent_metadata=self.transport.agent_metadata())
+                        agent_metadata=self.transport.agent_metadata(),
+                        prompt_digest=self.bm.prompt_digest(req))
 
     def release_ended_leases(self) -> None:
         for block_ids in self.leases.collect():
