@@ -26,6 +26,10 @@ class Leases(LeaseView):
     def release(self, rid):
         pass
 
+    def watch(self, started, ended):
+        for rid, (blocks, _) in self.table.items():
+            started(rid, blocks)
+
 
 def main() -> None:
     p = argparse.ArgumentParser()

@@ -32,9 +32,15 @@ class LeaseTable(LeaseView):
         self.released: queue.SimpleQueue = queue.SimpleQueue()
         self.wake = wake   # tells an idle engine loop there is work
         self._lock = threading.Lock()
+        self._watchers: list[tuple] = []   # (started, ended): see LeaseView.watch
+
+    def watch(self, started, ended) -> None:
+        self._watchers.append((started, ended))
 
     def add(self, ctx_request_id: str, block_ids: np.ndarray, num_tokens: int) -> None:
         """Takes over block_ids: the caller holds neither the array nor its references."""
+        for started, _ in self._watchers:
+            started(ctx_request_id, block_ids)
         with self._lock:
             self.leases[ctx_request_id] = Lease(block_ids, num_tokens,
                                                 time.monotonic() + self.lease_seconds)
@@ -56,16 +62,19 @@ class LeaseTable(LeaseView):
     def collect(self, now: float | None = None) -> list[np.ndarray]:
         """Block arrays whose lease ended (acked, or expired and not mid-send)."""
         now = time.monotonic() if now is None else now
-        done = []
+        done = {}
         with self._lock:
             while not self.released.empty():
-                lease = self.leases.pop(self.released.get(), None)
-                if lease is not None:
-                    done.append(lease.block_ids)
+                rid = self.released.get()
+                if rid in self.leases:
+                    done[rid] = self.leases.pop(rid).block_ids
             for rid in [r for r, l in self.leases.items() if l.expires_at <= now and
                         (not l.sending or l.expires_at + self.lease_seconds <= now)]:
-                done.append(self.leases.pop(rid).block_ids)
-        return done
+                done[rid] = self.leases.pop(rid).block_ids
+        for rid in done:
+            for _, ended in self._watchers:
+                ended(rid)
+        return list(done.values())
 
     @property
     def num_leased_blocks(self) -> int:

@@ -50,6 +50,14 @@ class LeaseView(abc.ABC):
     def release(self, ctx_request_id: str) -> None:
         """GEN has the bytes: the engine may free the blocks (it does so on its own thread)."""
 
+    def watch(self, started: Callable[[str, np.ndarray], None],
+              ended: Callable[[str], None]) -> None:
+        """Call started(ctx_request_id, block ids) as a lease begins, before a pull can find
+        it, and ended(ctx_request_id) as it ends, before its blocks are freed (both on the
+        engine thread; ended must not raise). For a transport that exposes each lease's
+        blocks on their own (nixl registers them)."""
+        raise NotImplementedError(f"{type(self).__name__} does not report leases' ends")
+
 
 def check_pull(leases: LeaseView, layout: str, ctx_request_id: str, wanted_layout: str,
                num_blocks: int) -> tuple[str | None, np.ndarray | None]:
