@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from splitserve.engine.kv_leases import LeaseTable
 from splitserve.kv.base import LeaseView, make_transport
 import splitserve.kv.nixl as nixl_module
 from splitserve.kv.nixl import _descs, block_runs
@@ -182,3 +183,20 @@ def test_a_gen_reconnects_after_loading_many_leases(transports, monkeypatch):
         assert torch.equal(gen.kv_cache[:5], ctx.kv_cache[[3, 4, 5, 9, 1]])
         loads.append(gen._loads[ctx.endpoint])
     assert loads[-1] == 1 and max(loads) == 2
+
+
+def test_the_lease_table_registers_a_lease_until_its_ack_or_expiry(transports):
+    table = LeaseTable(lease_seconds=30.0)
+    ctx = make_transport("nixl", transports[0].kv_cache, "L")
+    try:
+        ctx.start(table)
+        table.add("acked", np.array([1, 2]), 8)
+        table.add("expires", np.array([6]), 4)
+        assert set(ctx._leased) == {"acked", "expires"}
+        table.release("acked")
+        assert [b.tolist() for b in table.collect()] == [[1, 2]]
+        assert set(ctx._leased) == {"expires"}
+        assert [b.tolist() for b in table.collect(now=time.monotonic() + 31)] == [[6]]
+        assert ctx._leased == {}
+    finally:
+        ctx.close()
