@@ -254,7 +254,8 @@ class EngineCore(FailureHandling, OutputBuilding):
         self.scheduler.kv_arrived(req)
         # Filed in the prefix cache under the hashes admission checked against the handle's
         # prompt digest (a length-only prompt is never cached).
-        assert req.prompt.is_placeholder or len(req.block_hashes) >= len(req.prompt) // bm.block_size
+        assert (req.prompt.is_placeholder or
+                len(req.block_hashes) >= req.num_prompt_tokens // bm.block_size)
         bm.cache_full_blocks(req)
         lps = remote.first_gen_logprobs or [None] * len(remote.first_gen_tokens)
         for token, lp in zip(remote.first_gen_tokens, lps):
