@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 
 from splitserve.config import CacheConfig, EngineConfig, KVTransferConfig, SchedulerConfig
+from splitserve.engine.block_manager import chain_hashes
 from splitserve.engine.core import EngineCore
+from splitserve.engine.prompt_digest import prompt_digest
 from splitserve.engine.request import FinishReason
 from splitserve.sampling_params import SamplingParams
 from splitserve.tokens import PromptTokens
@@ -14,6 +16,11 @@ from splitserve.tokens import PromptTokens
 PROMPT = PromptTokens(np.random.default_rng(0).integers(3, 49152, 23).astype(np.int32))
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 BACKENDS = ["tcp", "nixl"]
+
+
+def digest(prompt=PROMPT, block_size=4) -> str:
+    """The prompt digest a context worker puts in its KV handles, for hand-built handles."""
+    return prompt_digest(prompt.array, block_size, chain_hashes(b"", prompt.array, block_size))
 
 
 def require_backend(backend):

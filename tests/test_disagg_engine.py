@@ -15,8 +15,8 @@ from splitserve.protocol.engine import KVHandle, RemotePrefill
 from splitserve.sampling_params import SamplingParams
 from splitserve.tokens import PromptTokens
 
-from disagg_utils import (BACKENDS, GREEDY, PROMPT, drain, engine, handoff, require_backend,
-                          tokens, wait_for_release)
+from disagg_utils import (BACKENDS, GREEDY, PROMPT, digest, drain, engine, handoff,
+                          require_backend, tokens, wait_for_release)
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
@@ -72,7 +72,8 @@ def test_pulled_kv_is_byte_identical(pair):
 def test_unknown_ctx_request_and_layout_mismatch(pair, backend):
     ctx, gen = pair
     forged = KVHandle(backend=backend, endpoint=ctx.remote_kv.endpoint, ctx_request_id="nope",
-                      layout=gen.remote_kv.layout, num_tokens=len(PROMPT))
+                      layout=gen.remote_kv.layout, num_tokens=len(PROMPT),
+                      prompt_digest=digest())
     gen.add_request("g3", PROMPT, GREEDY, remote=RemotePrefill(forged, [5]))
     (delta,) = drain(gen)
     assert delta.finish_reason == FinishReason.ERROR and "unknown or expired" in delta.error
@@ -91,7 +92,8 @@ def test_unreachable_context_worker_fails_its_request_cleanly(tiny_source, backe
     gen = engine(tiny_source, backend)
     try:
         dead = KVHandle(backend=backend, endpoint="tcp://127.0.0.1:9", ctx_request_id="c",
-                        layout=gen.remote_kv.layout, num_tokens=len(PROMPT))
+                        layout=gen.remote_kv.layout, num_tokens=len(PROMPT),
+                        prompt_digest=digest())
         gen.add_request("g", PROMPT, GREEDY, remote=RemotePrefill(dead, [5]))
         (delta,) = drain(gen)
         assert delta.finish_reason == FinishReason.ERROR and "could not connect" in delta.error

@@ -23,8 +23,8 @@ from splitserve.errors import InvalidRequestError
 from splitserve.kv.messages import NixlPullReply, PullRequest, TcpPullReply
 from splitserve.protocol.engine import KVHandle, RemotePrefill
 
-from disagg_utils import (BACKENDS, GREEDY, PROMPT, drain, engine, handoff, require_backend,
-                          tokens, wait_for_release)
+from disagg_utils import (BACKENDS, GREEDY, PROMPT, digest, drain, engine, handoff,
+                          require_backend, tokens, wait_for_release)
 from kv_fault_utils import (CtxProcess, FakeCtx, assert_healthy, closed_port, connections_to,
                             ended_in_error, oversized_message_is_refused, outcome, port_of,
                             wait_for)
@@ -75,7 +75,8 @@ def fakes():
 
 def forged(gen, endpoint, rid):
     return KVHandle(backend=gen.remote_kv.config.backend, endpoint=endpoint, ctx_request_id=rid,
-                    layout=gen.remote_kv.layout, num_tokens=len(PROMPT))
+                    layout=gen.remote_kv.layout, num_tokens=len(PROMPT),
+                    prompt_digest=digest())
 
 
 def pull(gen, rid, handle, first_tokens, logprobs=None):

@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 import torch
 
+from splitserve.engine.kv_leases import LeaseTable
 from splitserve.kv.base import LeaseView, make_transport
-from splitserve.kv.nixl import block_runs
+import splitserve.kv.nixl as nixl_module
+from splitserve.kv.nixl import _descs, block_runs
 from splitserve.protocol.engine import KVHandle
 
 from disagg_utils import require_backend
@@ -21,16 +23,26 @@ TOKEN = "lease-token"
 
 
 class Leases(LeaseView):
-    def __init__(self, table):
-        self.table, self.released = table, []
+    """Hand-built leases: each begins when a transport watches, ends on end()."""
 
-    def lookup(self, rid, token):
+    def __init__(self, table):
+        self.table, self.released, self.ended = table, [], lambda rid: None
+
+    def lookup(self, rid, token, digest=""):
         return self.table.get(rid) if token == TOKEN else None
 
     def release(self, rid, token):
         if token == TOKEN:
             self.released.append(rid)
         return token == TOKEN
+
+    def watch(self, started, ended):
+        for rid, (blocks, _) in self.table.items():
+            started(rid, blocks)
+        self.ended = ended
+
+    def end(self, rid):
+        self.ended(rid)
 
 
 @pytest.fixture(scope="module")
@@ -118,3 +130,77 @@ def test_bad_ucx_settings_name_the_variables(monkeypatch):
     monkeypatch.setenv("UCX_TLS", "no-such-transport")
     with pytest.raises(RuntimeError, match="UCX_TLS=no-such-transport"):
         make_transport("nixl", torch.zeros(2, 1, 2, 4, 1, 8), "L")
+
+
+def read_directly(gen, ctx, ctx_blocks):
+    """What a GEN could ask its own NIXL agent for, past what the CTX offered: a READ of
+    ctx_blocks (one run) into its blocks 10 on."""
+    n, bb = len(ctx_blocks), gen.block_nbytes
+    local = gen.agent.get_xfer_descs(_descs(gen.kv_cache.data_ptr(), bb, np.array([10]),
+                                            np.array([n])), "DRAM")
+    far = gen.agent.get_xfer_descs(_descs(ctx.kv_cache.data_ptr(), bb,
+                                          np.array([ctx_blocks[0]]), np.array([n])), "DRAM")
+    xfer = gen.agent.initialize_xfer("READ", local, far, gen._remote[ctx.endpoint])
+    xfer.release()
+
+
+def test_a_gen_can_read_only_the_blocks_of_its_lease(transports):
+    ctx, gen, _ = transports
+    handle = KVHandle(backend="nixl", endpoint=ctx.endpoint, ctx_request_id="r", layout="L",
+                      num_tokens=20)
+    assert pull(gen, handle, np.arange(5)).ok       # the GEN's agent knows the lease's regions
+    read_directly(gen, ctx, [3, 4, 5])              # a run of the lease: allowed
+    for outside in ([0], [2], [6], [5, 6], [15]):   # around and past the leased runs
+        with pytest.raises(Exception, match="NIXL_ERR_NOT_FOUND"):
+            read_directly(gen, ctx, outside)
+
+
+def test_a_lease_is_exposed_only_until_it_ends(transports):
+    src = transports[0].kv_cache
+    leases = Leases({"e": (np.array([2, 7]), 8), "f": (np.array([11]), 4)})
+    ctx = make_transport("nixl", src, "L")
+    try:
+        ctx.start(leases)
+        assert set(ctx._leased) == {"e", "f"}
+        leases.end("e")
+        assert set(ctx._leased) == {"f"}
+        gen = transports[1]
+        handle = KVHandle(backend="nixl", endpoint=ctx.endpoint, ctx_request_id="e",
+                          layout="L", num_tokens=8)
+        result = pull(gen, handle, np.arange(2))    # the table still answers; nixl does not
+        assert not result.ok and "unknown or expired" in result.error
+    finally:
+        ctx.close()
+    assert ctx._leased == {}
+
+
+def test_a_gen_reconnects_after_loading_many_leases(transports, monkeypatch):
+    ctx, gen, _ = transports
+    monkeypatch.setattr(nixl_module, "MAX_LOADS_PER_AGENT", 2)
+    handle = KVHandle(backend="nixl", endpoint=ctx.endpoint, ctx_request_id="r", layout="L",
+                      num_tokens=20)
+    loads = []
+    for _ in range(3):
+        gen.kv_cache.zero_()
+        result = pull(gen, handle, np.arange(5))
+        assert result.ok, result.error
+        assert torch.equal(gen.kv_cache[:5], ctx.kv_cache[[3, 4, 5, 9, 1]])
+        loads.append(gen._loads[ctx.endpoint])
+    assert loads[-1] == 1 and max(loads) == 2
+
+
+def test_the_lease_table_registers_a_lease_until_its_ack_or_expiry(transports):
+    table = LeaseTable(lease_seconds=30.0)
+    ctx = make_transport("nixl", transports[0].kv_cache, "L")
+    try:
+        ctx.start(table)
+        table.add("acked", np.array([1, 2]), 8)
+        table.add("expires", np.array([6]), 4)
+        assert set(ctx._leased) == {"acked", "expires"}
+        table.release("acked")
+        assert [b.tolist() for b in table.collect()] == [[1, 2]]
+        assert set(ctx._leased) == {"expires"}
+        assert [b.tolist() for b in table.collect(now=time.monotonic() + 31)] == [[6]]
+        assert ctx._leased == {}
+    finally:
+        ctx.close()

@@ -3,11 +3,16 @@ InvalidRequestError naming the parameter, so the front-end answers 400."""
 
 from __future__ import annotations
 
+import hmac
+
 import msgspec
 import numpy as np
 
+from splitserve.engine.block_manager import chain_hashes
+from splitserve.engine.prompt_digest import prompt_digest
 from splitserve.engine.prompt_reads import prompt_value_readers
 from splitserve.errors import InvalidRequestError
+from splitserve.protocol.engine import KVHandle
 from splitserve.sampling_params import SamplingParams
 from splitserve.tokens import PromptTokens
 
@@ -39,6 +44,20 @@ def check_length_only(params: SamplingParams, remote) -> None:
     if readers:
         raise InvalidRequestError(f"{', '.join(readers)} read prompt token values, which a "
                                   f"length-only prompt does not have", readers[0])
+
+
+def check_relayed_prompt(tokens: np.ndarray, handle: KVHandle, block_size: int) -> list[bytes]:
+    """The relayed prompt's full-block hashes (for its prefix caching), once its digest is the
+    one the context worker computed for the KV it leased (engine/prompt_digest.py)."""
+    param = "disaggregated_params.prompt_token_ids"
+    if not handle.prompt_digest:
+        raise InvalidRequestError("the KV handle carries no prompt digest to check the relayed "
+                                  "prompt against", param)
+    hashes = chain_hashes(b"", tokens, block_size)
+    if not hmac.compare_digest(prompt_digest(tokens, block_size, hashes), handle.prompt_digest):
+        raise InvalidRequestError("the relayed prompt does not match the prompt the context "
+                                  "worker prefilled", param)
+    return hashes
 
 
 def check_resumed(prompt: PromptTokens, params: SamplingParams, resumed: np.ndarray,

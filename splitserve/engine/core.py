@@ -14,8 +14,8 @@ import torch
 
 from splitserve.config import EngineConfig
 from splitserve.engine.block_manager import BlockManager
-from splitserve.engine.admission import (check_length_only, check_prompt, check_resumed,
-                                         sibling_params)
+from splitserve.engine.admission import (check_length_only, check_prompt,
+                                         check_relayed_prompt, check_resumed, sibling_params)
 from splitserve.engine.detokenizer import IncrementalDetokenizer
 from splitserve.engine.failures import FailureHandling
 from splitserve.engine.output import OutputBuilding
@@ -83,8 +83,12 @@ class EngineCore(FailureHandling, OutputBuilding):
         check_prompt(prompt, params, self.model_config.vocab_size, self.max_model_len)
         if (context_only or remote is not None) and params.n > 1:
             raise InvalidRequestError("n > 1 is not supported for disaggregated requests", "n")
+        hashes = None   # of a relayed prompt: checked against the KV handle's digest
         if remote is not None:
             self.remote_kv.check(remote, len(prompt), self.model_config.vocab_size)
+            if not prompt.is_placeholder:
+                hashes = check_relayed_prompt(prompt.array, remote.handle,
+                                              self.block_manager.block_size)
         if prompt.is_placeholder:
             check_length_only(params, remote)
         if resumed is not None:
@@ -92,7 +96,7 @@ class EngineCore(FailureHandling, OutputBuilding):
                           self.model_config.vocab_size, self.max_model_len)
         try:
             self._admit(request_id, prompt, params, context_only, remote, received_time, stream,
-                        resumed)
+                        resumed, hashes)
         except Exception:   # a bug admitting one request ends that request, not the engine
             logger.exception("engine: admitting request %s failed", request_id)
             self._discard_group(request_id)
@@ -102,7 +106,7 @@ class EngineCore(FailureHandling, OutputBuilding):
 
     def _admit(self, request_id: str, prompt: PromptTokens, params: SamplingParams,
                context_only: bool, remote: RemotePrefill | None, received_time: float | None,
-               stream: bool, resumed: np.ndarray | None) -> None:
+               stream: bool, resumed: np.ndarray | None, hashes: list[bytes] | None) -> None:
         eos = () if params.ignore_eos else self.model_config.eos_token_ids
         children = self.groups[request_id] = []
         for i in range(params.n):
@@ -115,6 +119,8 @@ class EngineCore(FailureHandling, OutputBuilding):
                 self.final_only[id(req)] = None
         leader, siblings = children[0], children[1:]
         leader.context_only, leader.remote = context_only, remote
+        if hashes is not None:   # verified: what its pulled KV is filed under in the prefix cache
+            leader.block_hashes = hashes
         if resumed is not None:
             self._resume(leader, resumed)
         for s in siblings:
@@ -244,9 +250,13 @@ class EngineCore(FailureHandling, OutputBuilding):
             self._finish(req, FinishReason.ERROR, out, error=f"KV transfer from the context "
                          f"worker failed: {result.error}")
             return
-        remote = req.remote
+        remote, bm = req.remote, self.block_manager
         self.scheduler.kv_arrived(req)
-        self.block_manager.cache_full_blocks(req)
+        # Filed in the prefix cache under the hashes admission checked against the handle's
+        # prompt digest (a length-only prompt is never cached).
+        assert (req.prompt.is_placeholder or
+                len(req.block_hashes) >= req.num_prompt_tokens // bm.block_size)
+        bm.cache_full_blocks(req)
         lps = remote.first_gen_logprobs or [None] * len(remote.first_gen_tokens)
         for token, lp in zip(remote.first_gen_tokens, lps):
             if not req.is_finished:

@@ -57,12 +57,14 @@ class RemoteKV:
     # -- context_only ---------------------------------------------------------------------
     def lease(self, req: Request) -> KVHandle:
         """Move req's block references into a lease; the caller finishes the request."""
-        token = self.leases.add(req.request_id, req.block_ids, req.num_prompt_tokens)
+        digest = self.bm.prompt_digest(req)
+        token = self.leases.add(req.request_id, req.block_ids, req.num_prompt_tokens, digest)
         req.block_ids = NO_BLOCKS
         return KVHandle(backend=self.config.backend, endpoint=self.endpoint,
                         ctx_request_id=req.request_id, layout=self.layout,
                         num_tokens=req.num_prompt_tokens,
-                        agent_metadata=self.transport.agent_metadata(), lease_token=token)
+                        agent_metadata=self.transport.agent_metadata(), lease_token=token,
+                        prompt_digest=digest)
 
     def release_ended_leases(self) -> None:
         for block_ids in self.leases.collect():

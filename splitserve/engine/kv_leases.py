@@ -4,7 +4,9 @@ The engine thread owns the table and every block-manager call; transport threads
 read a lease (lookup) and ask for its release, which is queued and applied by the engine
 thread. A lease ends on the GEN's ack or when it expires: a dead GEN leaks nothing.
 Each lease has an unguessable token, handed out only in its KVHandle: a lookup or ack with
-the right id but another token is answered as if the lease did not exist.
+the right id but another token is answered as if the lease did not exist. A lookup that
+names a prompt digest other than the lease's is answered the same way, so a handle whose
+digest was swapped for another prompt's pulls nothing.
 """
 
 from __future__ import annotations
@@ -27,7 +29,12 @@ class Lease:
     num_tokens: int
     expires_at: float
     token: str
+    digest: str = ""          # engine/prompt_digest.py's digest of the leased prompt
     sending: bool = field(default=False)
+
+
+def _same(a: str, b: str) -> bool:
+    return hmac.compare_digest(a.encode(), b.encode())
 
 
 class LeaseTable(LeaseView):
@@ -37,27 +44,46 @@ class LeaseTable(LeaseView):
         self.released: queue.SimpleQueue = queue.SimpleQueue()
         self.wake = wake   # tells an idle engine loop there is work
         self._lock = threading.Lock()
+        self._superseded: list[tuple[str, np.ndarray]] = []   # same id leased again
+        self._watchers: list[tuple] = []   # (started, ended): see LeaseView.watch
 
-    def add(self, ctx_request_id: str, block_ids: np.ndarray, num_tokens: int) -> str:
+    def watch(self, started, ended) -> None:
+        self._watchers.append((started, ended))
+
+    def add(self, ctx_request_id: str, block_ids: np.ndarray, num_tokens: int,
+            digest: str = "") -> str:
         """Takes over block_ids: the caller holds neither the array nor its references.
         Returns the lease's token."""
         token = secrets.token_urlsafe(16)
         with self._lock:
+            old = self.leases.pop(ctx_request_id, None)
+            if old is not None:   # a reused request id: the old lease ends, its blocks freed
+                self._superseded.append((ctx_request_id, old.block_ids))
+        if old is not None:
+            for _, ended in self._watchers:
+                ended(ctx_request_id)
+        for started, _ in self._watchers:
+            started(ctx_request_id, block_ids)
+        with self._lock:
             self.leases[ctx_request_id] = Lease(block_ids, num_tokens,
-                                                time.monotonic() + self.lease_seconds, token)
+                                                time.monotonic() + self.lease_seconds, token,
+                                                digest)
         return token
 
     # -- transport threads ----------------------------------------------------------------
-    def _find(self, ctx_request_id: str, lease_token: str) -> Lease | None:
+    def _find(self, ctx_request_id: str, lease_token: str, digest: str) -> Lease | None:
         """The live lease with this id and token (the caller holds the lock)."""
         lease = self.leases.get(ctx_request_id)
-        if lease is None or not hmac.compare_digest(lease.token.encode(), lease_token.encode()):
+        if lease is None or not _same(lease.token, lease_token):
+            return None
+        if digest and lease.digest and not _same(lease.digest, digest):
             return None
         return lease
 
-    def lookup(self, ctx_request_id: str, lease_token: str) -> tuple[np.ndarray, int] | None:
+    def lookup(self, ctx_request_id: str, lease_token: str,
+               digest: str = "") -> tuple[np.ndarray, int] | None:
         with self._lock:
-            lease = self._find(ctx_request_id, lease_token)
+            lease = self._find(ctx_request_id, lease_token, digest)
             if lease is None:
                 return None
             lease.sending = True    # not expired under an in-flight send
@@ -65,7 +91,7 @@ class LeaseTable(LeaseView):
 
     def release(self, ctx_request_id: str, lease_token: str) -> bool:
         with self._lock:
-            lease = self._find(ctx_request_id, lease_token)
+            lease = self._find(ctx_request_id, lease_token, "")
         if lease is None:
             return False
         # The Lease itself, not its id: collect frees exactly the lease this ack named.
@@ -75,24 +101,24 @@ class LeaseTable(LeaseView):
 
     # -- engine thread --------------------------------------------------------------------
     def collect(self, now: float | None = None) -> list[np.ndarray]:
-        """Block arrays whose lease ended (acked, or expired and not mid-send)."""
+        """Block arrays whose lease ended (acked, expired and not mid-send, or superseded)."""
         now = time.monotonic() if now is None else now
-        done = []
+        done = {}
         with self._lock:
+            superseded, self._superseded = self._superseded, []
             while not self.released.empty():
                 rid, lease = self.released.get()
                 if self.leases.get(rid) is lease:
-                    done.append(self.leases.pop(rid).block_ids)
+                    done[rid] = self.leases.pop(rid).block_ids
             for rid in [r for r, l in self.leases.items() if l.expires_at <= now and
                         (not l.sending or l.expires_at + self.lease_seconds <= now)]:
-                done.append(self.leases.pop(rid).block_ids)
-        return done
+                done[rid] = self.leases.pop(rid).block_ids
+        for rid in done:
+            for _, ended in self._watchers:
+                ended(rid)
+        return [blocks for _, blocks in superseded] + list(done.values())
 
     @property
     def num_leased_blocks(self) -> int:
         with self._lock:
             return sum(len(l.block_ids) for l in self.leases.values())
-
-    def next_expiry(self) -> float | None:
-        with self._lock:
-            return min((l.expires_at for l in self.leases.values()), default=None)

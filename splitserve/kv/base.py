@@ -45,13 +45,23 @@ class LeaseView(abc.ABC):
     A lease answers only to its token: a wrong one is treated exactly like an unknown lease."""
 
     @abc.abstractmethod
-    def lookup(self, ctx_request_id: str, lease_token: str) -> tuple[np.ndarray, int] | None:
-        """(block ids, num_tokens) of a live lease, marked as being sent; None if unknown."""
+    def lookup(self, ctx_request_id: str, lease_token: str,
+               digest: str = "") -> tuple[np.ndarray, int] | None:
+        """(block ids, num_tokens) of a live lease with this token (and, when both are set,
+        this prompt digest), marked as being sent; None otherwise."""
 
     @abc.abstractmethod
     def release(self, ctx_request_id: str, lease_token: str) -> bool:
         """GEN has the bytes: the engine may free the blocks (it does so on its own thread).
         False if no live lease has this id and token (nothing is freed)."""
+
+    def watch(self, started: Callable[[str, np.ndarray], None],
+              ended: Callable[[str], None]) -> None:
+        """Call started(ctx_request_id, block ids) as a lease begins, before a pull can find
+        it, and ended(ctx_request_id) as it ends, before its blocks are freed (both on the
+        engine thread; ended must not raise). For a transport that exposes each lease's
+        blocks on their own (nixl registers them)."""
+        raise NotImplementedError(f"{type(self).__name__} does not report leases' ends")
 
 
 def check_pull(leases: LeaseView, layout: str, msg: PullRequest) -> tuple[str | None, np.ndarray | None]:
@@ -60,8 +70,8 @@ def check_pull(leases: LeaseView, layout: str, msg: PullRequest) -> tuple[str | 
     if msg.layout != layout:
         return ("KV layout mismatch: the context and generation workers differ in model, "
                 "dtype or KV block size"), None
-    lease = leases.lookup(msg.ctx_request_id, msg.lease_token)
-    if lease is None:   # the same words for a wrong token: no way to probe for lease ids
+    lease = leases.lookup(msg.ctx_request_id, msg.lease_token, msg.prompt_digest)
+    if lease is None:   # the same words for a wrong token or digest: no probing for lease ids
         return f"unknown or expired ctx_request_id {msg.ctx_request_id!r}", None
     blocks, num_tokens = lease
     if msg.num_tokens != num_tokens:

@@ -26,6 +26,7 @@ class PullRequest(msgspec.Struct, tag="pull"):
     layout: str         # the GEN's kv.base.layout_fingerprint(): must equal the CTX's
     num_blocks: int     # blocks the GEN allocated for the prompt
     num_tokens: int     # the GEN's prompt_len: must equal the lease's
+    prompt_digest: str = ""   # the handle's: must equal the lease's (when both are set)
 
 
 class PullAck(msgspec.Struct, tag="ack"):

@@ -1,13 +1,25 @@
 """The NIXL KV transport: GEN reads the CTX's leased blocks straight out of its KV cache.
 
-Each transport owns one NIXL agent (UCX backend) that registers the whole KV cache once.
-CTX: the reply to a PullRequest (kv.zmq_pull's conversation over ZeroMQ) carries the lease's
-block ids, the cache's base address and the agent's metadata; the CTX never touches the agent
-after start, so NIXL's own progress thread serves the READs. GEN: pulls from different CTXs
-run on different pull threads, so the agent is created in NIXL's strict thread-sync mode. A
-pull checks the offer (block size and count, ids, metadata size), loads the CTX agent's
-metadata once per agent, posts one READ from remote blocks into its own local blocks and
-polls it to completion; then the PullAck releases the lease.
+Each transport owns one NIXL agent (UCX backend). CTX: a lease's runs of blocks are
+registered as it begins and deregistered as it ends (acked or expired; LeaseView.watch), and
+the reply to a PullRequest (kv.zmq_pull's conversation over ZeroMQ) carries the lease's block
+ids, the cache's base address and the agent's *partial* metadata: those registrations only, so
+a GEN's agent knows of no other block and refuses a READ outside the lease. NIXL's own
+progress thread serves the READs. GEN: the whole cache is registered once as the destination
+of READs; that registration's metadata never leaves the process. Pulls from different CTXs run
+on different pull threads, so the agent is created in NIXL's strict thread-sync mode. A pull
+checks the offer (block size and count, ids, metadata size), loads the lease's metadata (a CTX
+agent is dropped and connected afresh every MAX_LOADS_PER_AGENT leases, so stale regions do not
+pile up), posts one READ from remote blocks into its own local blocks and polls it to
+completion; then the PullAck releases the lease.
+
+What registration enforces depends on the transport under UCX: with RDMA a READ needs the
+memory key of a live registration, which the NIC checks; with UCX_TLS=tcp, UCX emulates READs
+in software and the serving side does not check registrations (a READ through a deregistered
+region's stale metadata still returns its bytes), so there only the GEN's own NIXL library
+keeps it to the lease, and the KV channel's authentication is the boundary. Registering costs
+microseconds over tcp (0.17 ms and 21 KB of metadata for a lease of 512 scattered blocks,
+0.08 ms to deregister them; one run of 512 blocks: ~5 us).
 
 UCX picks its transports from the environment when the agent is created. If the user has not
 set them, this module sets UCX_TLS=tcp and, for a loopback host, UCX_NET_DEVICES=lo: that
@@ -36,6 +48,10 @@ from splitserve.kv.zmq_pull import ZmqPullTransport
 from splitserve.protocol.engine import KVHandle
 
 logger = logging.getLogger(__name__)
+
+# Leases whose metadata a GEN loads into one CTX agent before it drops that agent (and the
+# stale regions NIXL keeps for it) and connects afresh: a reconnect costs a few ms.
+MAX_LOADS_PER_AGENT = 256
 
 INSTALL_HINT = ("the nixl KV backend needs the nixl package: install torch first, then "
                 "`pip install nixl==1.5.1`; or use the built-in tcp backend")
@@ -104,22 +120,56 @@ class NixlTransport(ZmqPullTransport):
         _default_ucx_env(host)
         self.agent_name = f"splitserve-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.agent = _make_agent(nixl, self.agent_name)
-        self.reg = self.agent.register_memory(kv_cache)          # one region: the whole cache
-        self.metadata = self.agent.get_agent_metadata()          # after registering: includes it
-        self._remote: dict[str, str] = {}                        # endpoint -> loaded agent name
+        self.reg = self.agent.register_memory(kv_cache)   # as a READ's destination only
+        self._leased: dict[str, tuple] = {}   # ctx_request_id -> (registration, partial metadata)
+        self._leased_lock = threading.Lock()
+        self._remote: dict[str, str] = {}     # endpoint -> loaded agent name
+        self._loads: dict[str, int] = {}      # endpoint -> leases loaded since it connected
         self._remote_lock = threading.Lock()
         super().__init__(kv_cache, layout, host, **options)
 
     # -- CTX side -------------------------------------------------------------------------
     def start(self, leases: LeaseView) -> str:
+        leases.watch(self._lease_started, self._lease_ended)
         endpoint = super().start(leases)
         logger.info("kv-nixl: agent %s (UCX_TLS=%s UCX_NET_DEVICES=%s)", self.agent_name,
                     os.environ.get("UCX_TLS"), os.environ.get("UCX_NET_DEVICES", "all"))
         return endpoint
 
+    def _lease_started(self, ctx_request_id: str, blocks: np.ndarray) -> None:
+        """Registers the lease's runs of blocks (engine thread): all a GEN's READ may name."""
+        self._lease_ended(ctx_request_id)   # an id leased again: its old lease is gone
+        starts, _, counts = block_runs(blocks, blocks)
+        reg = self.agent.register_memory(
+            _descs(self.kv_cache.data_ptr(), self.block_nbytes, starts, counts), "DRAM")
+        try:
+            metadata = self.agent.get_partial_agent_metadata(reg, True, ["UCX"])
+        except Exception:
+            self.agent.deregister_memory(reg)
+            raise
+        with self._leased_lock:
+            self._leased[ctx_request_id] = (reg, metadata)
+
+    def _lease_ended(self, ctx_request_id: str) -> None:
+        """Deregisters the lease's blocks before the engine frees them (engine thread)."""
+        with self._leased_lock:
+            entry = self._leased.pop(ctx_request_id, None)
+        if entry is not None:
+            try:
+                self.agent.deregister_memory(entry[0])
+            except Exception as exc:   # the engine must still free the blocks
+                logger.error("kv-nixl: could not deregister lease %s's blocks: %s",
+                             ctx_request_id, exc)
+
     def _offer(self, ctx_request_id: str, blocks: np.ndarray) -> list:
+        with self._leased_lock:
+            entry = self._leased.get(ctx_request_id)
+        if entry is None:   # ended since the lookup
+            return [msgspec.msgpack.encode(NixlPullReply(
+                ctx_request_id=ctx_request_id, error=f"unknown or expired ctx_request_id "
+                                                     f"{ctx_request_id!r}"))]
         return [msgspec.msgpack.encode(NixlPullReply(
-            ctx_request_id=ctx_request_id, agent_name=self.agent_name, agent_metadata=self.metadata,
+            ctx_request_id=ctx_request_id, agent_name=self.agent_name, agent_metadata=entry[1],
             base_addr=self.kv_cache.data_ptr(), block_bytes=self.block_nbytes,
             block_ids=blocks.tolist()))]
 
@@ -141,20 +191,22 @@ class NixlTransport(ZmqPullTransport):
         return len(dst) * self.block_nbytes
 
     def _remote_agent(self, endpoint: str, reply: NixlPullReply) -> str:
-        """Loads the CTX agent's metadata once; a restarted CTX comes back with a new name."""
+        """Loads the lease's metadata into the CTX agent's; a restarted CTX comes back with a
+        new name."""
         with self._remote_lock:
             known = self._remote.get(endpoint)
-            if known != reply.agent_name:
-                if known is not None:
-                    self._forget(endpoint)
-                if reply.agent_name not in self._remote.values():   # another endpoint's alias
-                    self.agent.add_remote_agent(reply.agent_metadata)
-                self._remote[endpoint] = reply.agent_name
+            if known is not None and (known != reply.agent_name or
+                                      self._loads[endpoint] >= MAX_LOADS_PER_AGENT):
+                self._forget(endpoint)
+            self.agent.add_remote_agent(reply.agent_metadata)   # connects on the first one
+            self._remote[endpoint] = reply.agent_name
+            self._loads[endpoint] = self._loads.get(endpoint, 0) + 1
         return reply.agent_name
 
     def _forget(self, endpoint: str) -> None:
         """Drops an endpoint's agent (the caller holds _remote_lock)."""
         name = self._remote.pop(endpoint, None)
+        self._loads.pop(endpoint, None)
         if name in self._remote.values():
             return   # still reached through another endpoint
         if name is not None:
@@ -218,6 +270,8 @@ class NixlTransport(ZmqPullTransport):
         with self._remote_lock:
             for endpoint in list(self._remote):
                 self._forget(endpoint)
+        for ctx_request_id in list(self._leased):
+            self._lease_ended(ctx_request_id)
         self.agent.deregister_memory(self.reg)
 
 

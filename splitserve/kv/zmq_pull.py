@@ -148,7 +148,8 @@ class ZmqPullTransport(KVTransport):
     def _pull_one(self, peer: Peer, handle: KVHandle, dst: np.ndarray) -> int:
         deadline = time.monotonic() + self.timeout
         request = msgspec.msgpack.encode(PullRequest(handle.ctx_request_id, handle.lease_token,
-                                                     self.layout, len(dst), handle.num_tokens))
+                                                     self.layout, len(dst), handle.num_tokens,
+                                                     handle.prompt_digest))
         if len(request) > MAX_REQUEST_BYTES:
             raise PullRefused(f"ctx_request_id is too long ({len(handle.ctx_request_id)} chars)")
         frames = peer.request(request, deadline, self.pool.stop)

@@ -37,13 +37,17 @@ class KVHandle(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     num_tokens: int              # tokens whose KV is held: the prompt
     agent_metadata: bytes = b""  # backend extra (nixl agent metadata)
     lease_token: str = ""        # the CTX's per-lease secret: only its holder may pull and ack
+    # engine.prompt_digest of the prompt whose KV is held (hex): a GEN given the prompt's
+    # tokens checks they are that prompt's before it pulls or caches anything.
+    prompt_digest: str = ""
 
     def __post_init__(self):
         _check(0 <= self.num_tokens < 2**31, "kv_handle.num_tokens must be between 0 and 2^31-1")
         _check(bool(self.endpoint) and bool(self.ctx_request_id),
                "kv_handle needs an endpoint and a ctx_request_id")
         _check(max(len(self.endpoint), len(self.ctx_request_id), len(self.layout),
-                   len(self.backend), len(self.lease_token)) <= _MAX_HANDLE_STR,
+                   len(self.backend), len(self.lease_token),
+                   len(self.prompt_digest)) <= _MAX_HANDLE_STR,
                f"kv_handle's strings must be at most {_MAX_HANDLE_STR} characters long")
 
 

@@ -1,0 +1,27 @@
+"""A prompt's digest: one constant-size hash of all its tokens, for the KV a context worker
+leases. It chains the tokens of the last, partial block (and the prompt's length) onto the
+chained hash of the last full block, which prefix caching computes anyway
+(block_manager.chain_hash). A generation worker given the prompt's tokens recomputes it before
+it allocates a block or pulls a byte (admission.check_relayed_prompt): KV computed for one
+prompt must never be filed in its prefix cache under another prompt's tokens, where later
+requests would reuse it."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+# Its own personalisation: a digest never equals any block's chain hash.
+_PERSON = b"splitserve-pdig"
+
+
+def prompt_digest(tokens: np.ndarray, block_size: int, full_hashes: list[bytes]) -> str:
+    """Hex digest of tokens, given the chained hashes of its full blocks (all of them)."""
+    n_full = len(tokens) // block_size
+    assert len(full_hashes) == n_full, "one chained hash per full block"
+    h = hashlib.blake2b(full_hashes[-1] if n_full else b"", digest_size=16, person=_PERSON)
+    h.update(tokens[n_full * block_size:].astype("<i4", copy=False).tobytes())
+    h.update(len(tokens).to_bytes(8, "little"))
+    return h.hexdigest()
+
