@@ -147,7 +147,7 @@ def read_directly(gen, ctx, ctx_blocks):
 def test_a_gen_can_read_only_the_blocks_of_its_lease(transports):
     ctx, gen, _ = transports
     handle = KVHandle(backend="nixl", endpoint=ctx.endpoint, ctx_request_id="r", layout="L",
-                      num_tokens=20)
+                      num_tokens=20, lease_token=TOKEN)
     assert pull(gen, handle, np.arange(5)).ok       # the GEN's agent knows the lease's regions
     read_directly(gen, ctx, [3, 4, 5])              # a run of the lease: allowed
     for outside in ([0], [2], [6], [5, 6], [15]):   # around and past the leased runs
@@ -166,7 +166,7 @@ def test_a_lease_is_exposed_only_until_it_ends(transports):
         assert set(ctx._leased) == {"f"}
         gen = transports[1]
         handle = KVHandle(backend="nixl", endpoint=ctx.endpoint, ctx_request_id="e",
-                          layout="L", num_tokens=8)
+                          layout="L", num_tokens=8, lease_token=TOKEN)
         result = pull(gen, handle, np.arange(2))    # the table still answers; nixl does not
         assert not result.ok and "unknown or expired" in result.error
     finally:
@@ -178,7 +178,7 @@ def test_a_gen_reconnects_after_loading_many_leases(transports, monkeypatch):
     ctx, gen, _ = transports
     monkeypatch.setattr(nixl_module, "MAX_LOADS_PER_AGENT", 2)
     handle = KVHandle(backend="nixl", endpoint=ctx.endpoint, ctx_request_id="r", layout="L",
-                      num_tokens=20)
+                      num_tokens=20, lease_token=TOKEN)
     loads = []
     for _ in range(3):
         gen.kv_cache.zero_()
@@ -194,10 +194,10 @@ def test_the_lease_table_registers_a_lease_until_its_ack_or_expiry(transports):
     ctx = make_transport("nixl", transports[0].kv_cache, "L")
     try:
         ctx.start(table)
-        table.add("acked", np.array([1, 2]), 8)
+        token = table.add("acked", np.array([1, 2]), 8)
         table.add("expires", np.array([6]), 4)
         assert set(ctx._leased) == {"acked", "expires"}
-        table.release("acked")
+        assert table.release("acked", token)
         assert [b.tolist() for b in table.collect()] == [[1, 2]]
         assert set(ctx._leased) == {"expires"}
         assert [b.tolist() for b in table.collect(now=time.monotonic() + 31)] == [[6]]

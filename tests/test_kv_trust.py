@@ -110,6 +110,23 @@ def test_num_tokens_one_off_the_lease_is_refused(pair, want, dealer, off):
     assert_healthy(ctx, gen)
 
 
+def test_a_handle_with_another_prompts_digest_pulls_nothing(pair, want, dealer):
+    """A digest swapped into a real handle (to match forged relayed tokens) is refused by the
+    CTX itself, which compares it with the digest it stored with the lease."""
+    ctx, gen = pair
+    delta = handoff(ctx, "dig")
+    h = delta.kv_handle
+    assert len(h.prompt_digest) == 32
+    dealer.connect(h.endpoint)
+    (frame,) = ask(dealer, ctx_request_id=h.ctx_request_id, layout=h.layout,
+                   lease_token=h.lease_token, prompt_digest="0" * 32)
+    assert "unknown or expired" in msgspec.msgpack.decode(frame, type=TcpPullReply).error
+    assert ctx.remote_kv.num_leased_blocks == NUM_BLOCKS
+    assert pull_with(gen, "dig", delta) == want
+    wait_for_release(ctx)
+    assert_healthy(ctx, gen)
+
+
 # -- KV endpoints a GEN may dial --------------------------------------------------------------
 
 @pytest.fixture
