@@ -160,7 +160,8 @@ def add_arguments(p) -> None:
     p.add_argument("--endpoint", choices=["completions", "chat"], default=None,
                    help="default: chat for multi-turn and mixed, completions otherwise")
     p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--model", default=None, help="default: the first model of /v1/models")
+    p.add_argument("--model", default=None, help="the --url server's model (default: the "
+                   "first of its /v1/models; --compare servers are always asked theirs)")
     load = p.add_mutually_exclusive_group()
     load.add_argument("--concurrency", type=_levels, default=None,
                       help="closed loop (default 1); N,M,... runs each level in turn")
