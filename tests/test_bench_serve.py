@@ -1,15 +1,17 @@
 """`splitserve bench serve` and `bench plot`: against a real tiny worker, against a server
 that misbehaves on purpose, and the plots drawn from result files."""
 
+import argparse
 import asyncio
 import json
+import math
 import struct
 
 import msgspec
 import pytest
 from aiohttp import web
 
-from splitserve.bench import metrics, plot, serve
+from splitserve.bench import compare, metrics, plot, serve
 from splitserve.bench.serve import ServeBenchConfig
 from splitserve.bench.workloads import WorkloadConfig
 from splitserve.cli import main
@@ -100,6 +102,118 @@ def test_multi_turn_and_mixed_workloads(worker):
     by_class = result["metrics_by_class"]
     assert set(by_class) == {"short", "long"} and result["metrics"]["failed"] == 0
     assert sum(c["completed"] for c in by_class.values()) == 10
+
+
+# -- --compare: the same workload against several servers, one table --------------------------
+REQUESTS_OK = 'splitserve_requests_total{endpoint="/v1/completions",status="200"}'
+
+
+def test_compare_two_workers_one_table(worker, tmp_path, capsys):
+    other = Worker("--model", "tiny-random", "--dtype", "float32")
+    try:
+        out = tmp_path / "cmp.json"
+        main(["bench", "serve", "--url", worker.url, "--name", "first", "--compare",
+              f"second={other.url}", "--concurrency", "1,2", "--num-requests", "4",
+              "--input-len", "16", "--output-len", "4", "--warmup", "1", "--seed", "7",
+              "--out", str(out), "--no-progress"])
+    finally:
+        other.close()
+    table = capsys.readouterr().out.splitlines()
+    doc = json.loads(out.read_text())
+    assert [(s["name"], s["model"]) for s in doc["servers"]] == [("first", "tiny-random"),
+                                                                 ("second", "tiny-random")]
+    assert [(r["server"], r["concurrency"]) for r in doc["rows"]] == [
+        ("first", 1), ("second", 1), ("first", 2), ("second", 2)]
+    for row in doc["rows"]:
+        assert row["completed"] == 4 and row["failed"] == 0
+        values = [row[key] for key, _, _ in compare.COLUMNS] + list(row["ratios"].values())
+        assert all(isinstance(v, float) and math.isfinite(v) and v > 0 for v in values)
+        if row["server"] == "first":
+            assert set(row["ratios"].values()) == {1.0}
+        assert any(line.startswith(row["server"]) and f"c={row['concurrency']}" in line
+                   for line in table)
+    # Each run reached its own server (warm-up not counted), with the same prompts per level.
+    runs = doc["runs"]
+    assert [r["target"]["url"] for r in runs] == [worker.url, other.url] * 2
+    assert all(r["server"]["counters"][REQUESTS_OK] == 4 for r in runs)
+    seeds = [r["workload"]["seed"] for r in runs]
+    assert seeds[0] == seeds[1] == 7 and seeds[2] == seeds[3] != 7
+    assert [r["load"]["warmup"] for r in runs] == [1, 1, 0, 0]
+
+
+def test_compare_names():
+    servers = compare.servers_from_args("http://127.0.0.1:1", None,
+                                        ["vllm=http://127.0.0.1:2", "http://127.0.0.1:3?a=b"],
+                                        None)
+    assert [(s.name, s.url) for s in servers] == [
+        ("127.0.0.1:1", "http://127.0.0.1:1"), ("vllm", "http://127.0.0.1:2"),
+        ("127.0.0.1:3", "http://127.0.0.1:3?a=b")]
+    named = compare.servers_from_args("http://h:1", "ours", ["http://h:2"], ["theirs"])
+    assert [s.name for s in named] == ["ours", "theirs"]
+    with pytest.raises(ValueError, match="named twice"):
+        compare.servers_from_args("http://h:1", None, ["a=http://h:2"], ["b"])
+    with pytest.raises(ValueError, match="must differ"):
+        compare.servers_from_args("http://h:1", "x", ["x=http://h:2"], None)
+
+
+# -- the API key: sent to every server, never recorded ---------------------------------------
+KEY = "sk-test-0123"
+
+
+async def _keyed_server(seen: list[str | None]) -> tuple[web.AppRunner, str]:
+    """An OpenAI-style server that answers only requests carrying Bearer KEY."""
+    async def check(request: web.Request) -> None:
+        seen.append(request.headers.get("Authorization"))
+        if request.headers.get("Authorization") != f"Bearer {KEY}":
+            raise web.HTTPUnauthorized(text='{"error": {"message": "bad key"}}',
+                                       content_type="application/json")
+
+    async def models(request: web.Request) -> web.Response:
+        await check(request)
+        return web.json_response({"data": [{"id": "keyed-model"}]})
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        await check(request)
+        resp = web.StreamResponse(headers=SSE)
+        await resp.prepare(request)
+        for text in "ab":
+            await resp.write(_chunk(text))
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/completions", completions)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
+
+
+async def _against_keyed(api_key: str | None) -> tuple[dict, list]:
+    seen = []
+    runner, url = await _keyed_server(seen)
+    try:
+        cfg = ServeBenchConfig(url=url, progress=False, api_key=api_key, num_requests=3,
+                               model="keyed-model", workload=WorkloadConfig(input_len=3,
+                                                                            output_len=2))
+        return await serve.benchmark(cfg), seen
+    finally:
+        await runner.cleanup()
+
+
+def test_api_key_is_sent_as_bearer_and_never_recorded(monkeypatch):
+    result, seen = asyncio.run(_against_keyed(KEY))
+    assert result["metrics"]["completed"] == 3 and f"Bearer {KEY}" in seen
+    result, seen = asyncio.run(_against_keyed(None))
+    assert result["errors"] == {"http_401": 3} and set(seen) == {None}
+
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    monkeypatch.setattr("sys.argv", ["splitserve", "bench", "serve", "--api-key", KEY])
+    cfg = serve.config_from_args(parser.parse_args(["--api-key", KEY]))
+    assert cfg.api_key == KEY and KEY not in " ".join(cfg.command) and KEY not in repr(cfg)
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-from-env")
+    assert serve.config_from_args(parser.parse_args([])).api_key == "sk-from-env"
 
 
 # -- against a server that fails on purpose ---------------------------------------------------

@@ -8,7 +8,9 @@ have been sent or --duration has passed, whichever comes first; requests in flig
 Metric definitions: `splitserve bench serve --explain` (splitserve/bench/metrics.py).
 
 The result is one JSON document: label, timestamp, command, versions, machine, target,
-load, workload, metrics, metrics_by_class, errors, server, requests.
+load, workload, metrics, metrics_by_class, errors, server, requests. With several
+--concurrency levels or any --compare server, the same workload runs against every server
+at every level and the result is one comparison table (splitserve/bench/compare.py).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class ServeBenchConfig:
     warmup: int = 0
     slo: dict[str, float] = field(default_factory=dict)
     timeout: float = 600.0                  # seconds per request
+    api_key: str | None = field(default=None, repr=False)   # sent as Authorization: Bearer
     label: str = "run"
     progress: bool = True
     command: tuple[str, ...] = ()
@@ -93,7 +96,8 @@ async def benchmark(cfg: ServeBenchConfig) -> dict:
     # Open loop: no connection cap, or arrivals would queue in the client and inflate TTFT.
     limit = cfg.workers or 0
     connector = aiohttp.TCPConnector(limit=limit, limit_per_host=limit)
-    async with aiohttp.ClientSession(connector=connector,
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else None
+    async with aiohttp.ClientSession(connector=connector, headers=headers,
                                      timeout=aiohttp.ClientTimeout(total=cfg.timeout)) as http:
         model = cfg.model or await served_model(http, cfg.url)
         client = ServeClient(http, cfg.url, cfg.workload.endpoint, model, cfg.stream)
@@ -131,49 +135,99 @@ def _result(cfg: ServeBenchConfig, model: str, load: Load, before, after) -> dic
 
 
 # -- command line -----------------------------------------------------------------------------
+def _levels(text: str) -> tuple[int, ...]:
+    """'1,8' -> (1, 8): the closed-loop concurrency levels to run, in order."""
+    try:
+        levels = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N or N,M,..., got {text!r}") from None
+    if not levels or min(levels) < 1:
+        raise argparse.ArgumentTypeError(f"concurrency levels must be >= 1, got {text!r}")
+    return levels
+
+
 def add_arguments(p) -> None:
     p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--name", default=None, help="the --url server's name in a comparison "
+                                                "(default: its host:port)")
+    p.add_argument("--compare", action="append", default=None, metavar="[NAME=]URL",
+                   help="run the same workload against this server too, one table "
+                        "(repeatable; splitserve/bench/compare.py)")
+    p.add_argument("--compare-name", action="append", default=None, metavar="NAME",
+                   help="the name of the i-th --compare server (default: its host:port)")
+    p.add_argument("--api-key", default=None, help="sent as Authorization: Bearer to every "
+                   "server (default: $OPENAI_API_KEY); never written to the results")
     p.add_argument("--endpoint", choices=["completions", "chat"], default=None,
                    help="default: chat for multi-turn and mixed, completions otherwise")
     p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--model", default=None, help="default: the first model of /v1/models")
+    p.add_argument("--model", default=None, help="the --url server's model (default: the "
+                   "first of its /v1/models; --compare servers are always asked theirs)")
     load = p.add_mutually_exclusive_group()
-    load.add_argument("--concurrency", type=int, default=None, help="closed loop (default 1)")
+    load.add_argument("--concurrency", type=_levels, default=None,
+                      help="closed loop (default 1); N,M,... runs each level in turn")
     load.add_argument("--request-rate", type=float, default=None, help="open loop, per second")
     p.add_argument("--burstiness", type=float, default=1.0, help="1: Poisson; <1 burstier")
-    p.add_argument("--num-requests", type=int, default=None, help="default 100 without --duration")
+    p.add_argument("--num-requests", type=int, default=None,
+                   help="default 100 without --duration (per level and server)")
     p.add_argument("--duration", type=float, default=None, help="seconds")
     p.add_argument("--warmup", type=int, default=0, help="requests sent first, not measured")
     p.add_argument("--slo", default=None, help="goodput bounds in seconds: ttft=0.5,tpot=0.05")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     workloads.add_arguments(p)
-    p.add_argument("--json", default=None, help="default: bench-results/<label>-<time>.json")
+    p.add_argument("--json", "--out", dest="json", default=None,
+                   help="default: bench-results/<label>-<time>.json")
     p.add_argument("--label", default=None, help="default: <workload>-c<N> or <workload>-r<R>")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--explain", action="store_true", help="print the metric definitions")
 
 
+def _redacted(argv: list[str]) -> tuple[str, ...]:
+    """The command line as recorded in the results: the API key's value masked."""
+    out = list(argv)
+    for i, arg in enumerate(out):
+        if arg.startswith("--api-key="):
+            out[i] = "--api-key=***"
+        elif arg == "--api-key" and i + 1 < len(out):
+            out[i + 1] = "***"
+    return tuple(out)
+
+
+def _label(args, kind: str) -> str:
+    if args.label:
+        return args.label
+    if args.request_rate is not None:
+        load = f"r{args.request_rate:g}"
+    else:
+        load = "c" + "-".join(map(str, args.concurrency or (1,)))
+    return f"{kind}-{load}" + ("-compare" if args.compare else "")
+
+
 def config_from_args(args) -> ServeBenchConfig:
-    rate, concurrency = args.request_rate, args.concurrency
     num = 100 if args.num_requests is None and args.duration is None else args.num_requests
     wl = workloads.config_from_args(args)
-    label = args.label or f"{wl.kind}-" + (f"c{concurrency or 1}" if rate is None else f"r{rate:g}")
     return ServeBenchConfig(
         url=args.url, workload=wl, stream=args.stream, model=args.model,
-        concurrency=concurrency, request_rate=rate, burstiness=args.burstiness,
+        concurrency=args.concurrency[0] if args.concurrency else None,
+        request_rate=args.request_rate, burstiness=args.burstiness,
         num_requests=num, duration=args.duration, warmup=args.warmup,
-        slo=M.parse_slo(args.slo), timeout=args.timeout, label=label,
-        progress=not args.no_progress, command=tuple(sys.argv))
+        slo=M.parse_slo(args.slo), timeout=args.timeout, label=_label(args, wl.kind),
+        progress=not args.no_progress, command=_redacted(sys.argv),
+        api_key=args.api_key or os.environ.get("OPENAI_API_KEY") or None)
 
 
 def run(args) -> dict:
     if args.explain:
         print(M.__doc__)
         return {}
+    from splitserve.bench import compare      # it builds on this module
     try:
         cfg = config_from_args(args)
+        servers = compare.servers_from_args(args.url, args.name, args.compare,
+                                            args.compare_name)
     except ValueError as exc:
         raise SystemExit(f"splitserve bench serve: {exc}") from None
+    levels = list(args.concurrency or [None if args.request_rate is not None else 1])
+    sweep = len(servers) > 1 or len(levels) > 1
     try:
         import uvloop
         loop_factory = uvloop.new_event_loop
@@ -181,7 +235,8 @@ def run(args) -> dict:
         loop_factory = None
     with asyncio.Runner(loop_factory=loop_factory) as runner:
         try:
-            result = runner.run(benchmark(cfg))
+            result = runner.run(compare.compare(cfg, servers, levels) if sweep
+                                else benchmark(cfg))
         except RuntimeError as exc:     # no model name to send
             raise SystemExit(f"splitserve bench serve: {exc}") from None
     path = args.json or os.path.join("bench-results",
@@ -189,6 +244,6 @@ def run(args) -> dict:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
-    print(M.format_table(result))
+    print(compare.format_table(result) if sweep else M.format_table(result))
     print(f"results: {path}")
     return result
