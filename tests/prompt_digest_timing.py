@@ -13,7 +13,8 @@ import time
 import numpy as np
 
 from splitserve.engine.admission import check_relayed_prompt
-from splitserve.engine.block_manager import BlockManager, chain_hash
+from splitserve.engine.block_manager import BlockManager
+from splitserve.engine.prompt_digest import chain_hash
 from splitserve.engine.request import Request
 from splitserve.protocol.engine import KVHandle
 from splitserve.sampling_params import SamplingParams

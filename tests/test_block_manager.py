@@ -1,7 +1,8 @@
 import numpy as np
 import pytest
 
-from splitserve.engine.block_manager import BlockManager, chain_hash
+from splitserve.engine.block_manager import BlockManager
+from splitserve.engine.prompt_digest import chain_hash
 from splitserve.engine.request import Request
 from splitserve.sampling_params import SamplingParams
 from splitserve.tokens import PromptTokens

@@ -6,7 +6,8 @@ import msgspec
 import numpy as np
 import pytest
 
-from splitserve.engine.block_manager import BlockManager, chain_hash, chain_hashes
+from splitserve.engine.block_manager import BlockManager
+from splitserve.engine.prompt_digest import chain_hash, chain_hashes
 from splitserve.engine.prompt_digest import prompt_digest
 from splitserve.engine.request import FinishReason, Request
 from splitserve.errors import InvalidRequestError

@@ -74,7 +74,7 @@ def benchmark(cfg: FrontendBenchConfig) -> dict:
             url = cfg.url or worker.url
             health = check_skip_flag(url)
             model = get_json(url.rstrip("/") + "/v1/models")["data"][0]
-            target = Target(url, model["id"], layout, vocab_size)
+            target = Target(url, model["id"], layout, vocab_size, cfg.block_size)
             for mode in modes:   # unmeasured (first-request costs), but must succeed too
                 warm = RunSpec(target, mode, isl, 4, 20, cfg.duration, cfg.timeout,
                                cfg.max_tokens)

@@ -16,6 +16,7 @@ import numpy as np
 
 from splitserve.bench.frontend_config import BenchError
 from splitserve.bench.raw_http import HTTPConnection
+from splitserve.engine.prompt_digest import digest_of_tokens
 
 FIRST_TOKEN = 42                       # first_gen_tokens: any id of the vocabulary
 _MARK = b"@CTX_REQUEST_ID@"            # where each request's unique ctx_request_id goes
@@ -27,6 +28,7 @@ class Target(msgspec.Struct, frozen=True):
     model: str
     layout: str            # kv.base.layout_fingerprint() of the worker's engine
     vocab_size: int
+    block_size: int = 16   # the worker's: a relayed prompt's digest is taken in its blocks
 
 
 class RunSpec(msgspec.Struct, frozen=True):
@@ -53,6 +55,8 @@ def body_parts(target: Target, mode: str, isl: int, max_tokens: int = 1) -> list
           "first_gen_tokens": [FIRST_TOKEN], "prompt_len": isl,
           "kv_handle": {"backend": "tcp", "endpoint": "tcp://127.0.0.1:1", "ctx_request_id": rid,
                         "layout": target.layout, "num_tokens": isl}}
+    if mode != "metadata":   # relayed tokens are checked against the prompt CTX prefilled
+        dp["kv_handle"]["prompt_digest"] = digest_of_tokens(ids, target.block_size)
     if mode == "list":
         dp["prompt_token_ids"] = ids.tolist()
     elif mode == "b64":

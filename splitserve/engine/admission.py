@@ -8,7 +8,7 @@ import hmac
 import msgspec
 import numpy as np
 
-from splitserve.engine.block_manager import chain_hashes
+from splitserve.engine.prompt_digest import chain_hashes
 from splitserve.engine.prompt_digest import prompt_digest
 from splitserve.engine.prompt_reads import prompt_value_readers
 from splitserve.errors import InvalidRequestError

@@ -10,35 +10,16 @@ out with a few numpy operations rather than one Python step per block.
 
 from __future__ import annotations
 
-import hashlib
-
 import numpy as np
 
 from splitserve.engine.free_block_queue import FreeBlockQueue
-from splitserve.engine.prompt_digest import prompt_digest
+from splitserve.engine.prompt_digest import chain_hashes, prompt_digest
 from splitserve.engine.request import NO_BLOCKS, Request
 
 
 def _extended(held: np.ndarray, more: np.ndarray) -> np.ndarray:
     """A holder's new block array; a holder with none takes `more` itself, uncopied."""
     return np.concatenate([held, more]) if len(held) else more
-
-
-def chain_hash(parent: bytes, tokens: np.ndarray) -> bytes:
-    """Stable across processes (unlike hash()), so another worker can compute the same keys."""
-    return hashlib.blake2b(parent + tokens.astype("<i4", copy=False).tobytes(),
-                           digest_size=16).digest()
-
-
-def chain_hashes(parent: bytes, tokens: np.ndarray, block_size: int) -> list[bytes]:
-    """chain_hash of each full block of tokens in turn, the first chained onto parent. One
-    bytes copy of the tokens, not one numpy conversion per block: a 32k-token prompt's
-    2,048 blocks hash in about a millisecond."""
-    raw, step, out = tokens.astype("<i4", copy=False).tobytes(), 4 * block_size, []
-    for start in range(0, len(raw) - step + 1, step):
-        parent = hashlib.blake2b(parent + raw[start:start + step], digest_size=16).digest()
-        out.append(parent)
-    return out
 
 
 class BlockManager:

@@ -1,7 +1,7 @@
 """A prompt's digest: one constant-size hash of all its tokens, for the KV a context worker
 leases. It chains the tokens of the last, partial block (and the prompt's length) onto the
 chained hash of the last full block, which prefix caching computes anyway
-(block_manager.chain_hash). A generation worker given the prompt's tokens recomputes it before
+(chain_hash, below). A generation worker given the prompt's tokens recomputes it before
 it allocates a block or pulls a byte (admission.check_relayed_prompt): KV computed for one
 prompt must never be filed in its prefix cache under another prompt's tokens, where later
 requests would reuse it."""
@@ -25,3 +25,25 @@ def prompt_digest(tokens: np.ndarray, block_size: int, full_hashes: list[bytes])
     h.update(len(tokens).to_bytes(8, "little"))
     return h.hexdigest()
 
+
+def chain_hash(parent: bytes, tokens: np.ndarray) -> bytes:
+    """Stable across processes (unlike hash()), so another worker can compute the same keys."""
+    return hashlib.blake2b(parent + tokens.astype("<i4", copy=False).tobytes(),
+                           digest_size=16).digest()
+
+
+def chain_hashes(parent: bytes, tokens: np.ndarray, block_size: int) -> list[bytes]:
+    """chain_hash of each full block of tokens in turn, the first chained onto parent. One
+    bytes copy of the tokens, not one numpy conversion per block: a 32k-token prompt's
+    2,048 blocks hash in about a millisecond."""
+    raw, step, out = tokens.astype("<i4", copy=False).tobytes(), 4 * block_size, []
+    for start in range(0, len(raw) - step + 1, step):
+        parent = hashlib.blake2b(parent + raw[start:start + step], digest_size=16).digest()
+        out.append(parent)
+    return out
+
+
+def digest_of_tokens(tokens: np.ndarray, block_size: int) -> str:
+    """prompt_digest of a prompt whose block hashes are not at hand (a client building a
+    generation_only request, a GEN checking relayed tokens)."""
+    return prompt_digest(tokens, block_size, chain_hashes(b"", tokens, block_size))
