@@ -34,13 +34,13 @@ def _chat(args) -> int:
     return 0
 
 
-def _engine_config(args):
+def _engine_config(args, threads: int | None = None):
     from splitserve import envs
     from splitserve.config import CacheConfig, EngineConfig, KVTransferConfig, SchedulerConfig
     return EngineConfig(
         model=args.model, dtype=args.dtype, quantization=args.quantization,
         max_model_len=args.max_model_len,
-        num_threads=args.threads or envs.num_threads(), seed=args.seed,
+        num_threads=threads or args.threads or envs.num_threads(), seed=args.seed,
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
                           memory_bytes=int(args.kv_cache_gib * (1 << 30)),
                           enable_prefix_caching=not args.no_prefix_caching),
@@ -58,7 +58,13 @@ def _add_engine_arguments(p) -> None:
     p.add_argument("--quantization", default=None, choices=["int8", "fp16"],
                    help="weight quantization (activations float32)")
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--threads", type=int, default=None, help="torch threads of the engine")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads of the engine (default: one per CPU it gets)")
+    p.add_argument("--cpus", type=_cpu_list, default=None,
+                   help="CPUs of the engine, e.g. 1-3 (default: all usable but the first, "
+                        "kept for the front-end)")
+    p.add_argument("--frontend-cpus", type=_cpu_list, default=None,
+                   help="CPUs of the front-end (default: those the engine does not get)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=None)
@@ -73,10 +79,35 @@ def _add_engine_arguments(p) -> None:
     p.add_argument("--kv-timeout", type=float, default=30.0, help="seconds a KV pull may take")
 
 
+def _cpu_list(text: str) -> tuple[int, ...]:
+    from splitserve.placement import parse_cpus
+    try:
+        return parse_cpus(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _place_worker(args):
+    """The worker's CPU plan (splitserve/placement.py): pins this process, the front-end,
+    and hands the engine process its CPUs through the environment it inherits."""
+    from splitserve import envs, placement
+    cpus = args.cpus or (envs.engine_cpus() and placement.parse_cpus(envs.engine_cpus()))
+    plan = placement.plan_worker(placement.usable_cpus(), args.threads or envs.num_threads(),
+                                 cpus, args.frontend_cpus)
+    placement.pin_process(plan.frontend_cpus, "front-end")
+    os.environ[envs.ENGINE_CPUS] = placement.format_cpus(plan.engine_cpus)
+    return plan
+
+
 def _serve(args) -> int:
     from splitserve.httpd.limits import HTTPLimits
     from splitserve.server.app import serve
     from splitserve.server.config import ServerConfig
+    plan = _place_worker(args)
+    engine = _engine_config(args, plan.engine_threads)
+    logging.getLogger(__name__).info(
+        "%s:%d: %s, dtype %s", args.role, args.port, plan.describe(),
+        str(engine.torch_dtype).removeprefix("torch."))
     serve(ServerConfig(host=args.host, port=args.port, role=args.role,
                        served_model_name=args.served_model_name,
                        max_body_bytes=args.max_body_bytes,
@@ -85,7 +116,7 @@ def _serve(args) -> int:
                        http=HTTPLimits(head_timeout=args.request_head_timeout,
                                        body_timeout=args.request_body_timeout,
                                        max_connections=args.max_connections),
-                       engine=_engine_config(args)))
+                       engine=engine))
     return 0
 
 
