@@ -19,29 +19,31 @@ import urllib.request
 from splitserve.orchestrator.app import run_orchestrator
 from splitserve.orchestrator.cluster import ClusterConfig, PoolConfig
 from splitserve.orchestrator.supervisor import Supervisor, WorkerChild
+from splitserve.placement import (ClusterPlan, WorkerPlan, format_cpus, pin_process,
+                                  plan_cluster, usable_cpus)
 
 logger = logging.getLogger(__name__)
 
 
-def worker_command(args, role: str, port: int) -> list[str]:
+def worker_command(args, role: str, port: int, cpus: WorkerPlan) -> list[str]:
     cmd = [sys.executable, "-m", "splitserve.cli", "--log-level", args.log_level, "serve",
            "--role", role, "--port", str(port), "--host", args.host, "--dtype", args.dtype,
-           "--kv-backend", args.kv_backend, "--kv-cache-gib", str(args.kv_cache_gib)]
+           "--kv-backend", args.kv_backend, "--kv-cache-gib", str(args.kv_cache_gib),
+           "--threads", str(cpus.engine_threads), "--cpus", format_cpus(cpus.engine_cpus),
+           "--frontend-cpus", format_cpus(cpus.frontend_cpus)]
     if args.model:
         cmd += ["--model", args.model]
     return cmd
 
 
-def start_workers(args) -> list[WorkerChild]:
-    n = args.num_ctx + args.num_gen
-    threads = args.threads or max(1, (os.cpu_count() or 1) // n)
-    env = dict(os.environ, SPLITSERVE_NUM_THREADS=str(threads))
+def start_workers(args, plan: ClusterPlan) -> list[WorkerChild]:
+    env = dict(os.environ)
     children = []
-    for i in range(n):
+    for i, cpus in enumerate(plan.workers):
         role = "ctx" if i < args.num_ctx else "gen"
         port = args.port + 1 + i
         children.append(WorkerChild(role, f"http://{args.host}:{port}",
-                                    worker_command(args, role, port), env))
+                                    worker_command(args, role, port, cpus), env))
     return children
 
 
@@ -86,7 +88,13 @@ def banner(config: ClusterConfig) -> str:
 
 
 def up(args) -> int:
-    children = start_workers(args)
+    plan = plan_cluster(usable_cpus(), args.num_ctx + args.num_gen, args.threads)
+    for i, cpus in enumerate(plan.workers):
+        logger.info("up: worker %d: %s", i, cpus.describe())
+    # Workers are told their CPUs on their command lines, so they may leave this one's.
+    pin_process(plan.orchestrator_cpus, "orchestrator")
+    logger.info("up: orchestrator on CPUs %s", format_cpus(plan.orchestrator_cpus))
+    children = start_workers(args, plan)
     supervisor = Supervisor(children)
     # Signals during startup must still stop the children.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
