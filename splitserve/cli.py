@@ -11,6 +11,7 @@ import sys
 def _bench(args) -> int:
     if args.bench_cmd == "engine":
         from splitserve.bench import engine
+        engine.place(args)
         engine.run(args)
     elif args.bench_cmd == "serve":
         from splitserve.bench import serve

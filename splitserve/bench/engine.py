@@ -20,6 +20,7 @@ import time
 import numpy as np
 import torch
 
+from splitserve import placement
 from splitserve.bench import plain_reference
 from splitserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from splitserve.engine.core import EngineCore
@@ -91,6 +92,14 @@ def _machine() -> dict:
             "processor": platform.processor() or platform.machine()}
 
 
+def place(args) -> None:
+    """Pins this process to the CPUs, and args.threads to the threads, `serve` would give its
+    engine, so the two compare (the command line's process only: pins are inherited)."""
+    cpus = placement.plan_worker(placement.usable_cpus(), args.threads)
+    placement.pin_process(cpus.engine_cpus, "bench engine")
+    args.threads = cpus.engine_threads
+
+
 def run(args) -> dict:
     config = EngineConfig(model=args.model, dtype=args.dtype, quantization=args.quantization,
                           pack_weights=not args.no_pack_weights,
@@ -128,7 +137,8 @@ def _describe(engine: EngineCore, config: EngineConfig, args) -> dict:
     return {"model": engine.model_config.name, "dtype_requested": args.dtype,
             "dtype": str(config.torch_dtype).removeprefix("torch."),
             "quantization": args.quantization, "packed_weights": engine.runner.model.packed,
-            "threads": args.threads, **_machine(),
+            "threads": args.threads, "cpus": placement.format_cpus(tuple(os.sched_getaffinity(0))),
+            **_machine(),
             "prefill_len": args.prefill_len, "decode_prompt_len": args.decode_prompt_len,
             "decode_tok_s": {}, "decode_ms_step": {}, "other_cores_busy": {}}
 
@@ -137,7 +147,8 @@ def _headline(r: dict) -> str:
     native = "native" if r["avx512_bf16"] or r["amx"] else "no native"
     layout = ", packed" if r["packed_weights"] else ""
     return (f"{r['model']}: {r['quantization'] or r['dtype']}{layout} weights, dtype {r['dtype_requested']}"
-            f" -> {r['dtype']}, {r['torch_threads']} threads, CPU {r['cpu_capability']} "
+            f" -> {r['dtype']}, {r['torch_threads']} threads on CPUs {r['cpus']}, "
+            f"CPU {r['cpu_capability']} "
             f"({native} bfloat16)")
 
 
@@ -154,7 +165,9 @@ def add_arguments(p) -> None:
     p.add_argument("--no-pack-weights", action="store_true",
                    help="plain row-major float weights instead of oneDNN's packed layout "
                         "(see splitserve/model/packed.py), to measure the difference")
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--threads", type=int, default=None,
+                   help="default: the threads and CPUs `serve` gives its engine (all usable "
+                        "CPUs but one, pinned); as many as there are CPUs: unpinned")
     p.add_argument("--prefill-len", type=int, default=512)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
