@@ -61,10 +61,11 @@ def _add_engine_arguments(p) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads of the engine (default: one per CPU it gets)")
-    p.add_argument("--cpus", type=_cpu_list, default=None,
+    from splitserve.placement import cpu_list_argument
+    p.add_argument("--cpus", type=cpu_list_argument, default=None,
                    help="CPUs of the engine, e.g. 1-3 (default: all usable but the first, "
                         "kept for the front-end)")
-    p.add_argument("--frontend-cpus", type=_cpu_list, default=None,
+    p.add_argument("--frontend-cpus", type=cpu_list_argument, default=None,
                    help="CPUs of the front-end (default: those the engine does not get)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
@@ -78,14 +79,6 @@ def _add_engine_arguments(p) -> None:
     p.add_argument("--kv-port", type=int, default=0)
     p.add_argument("--kv-lease-seconds", type=float, default=30.0)
     p.add_argument("--kv-timeout", type=float, default=30.0, help="seconds a KV pull may take")
-
-
-def _cpu_list(text: str) -> tuple[int, ...]:
-    from splitserve.placement import parse_cpus
-    try:
-        return parse_cpus(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _place_worker(args):

@@ -13,11 +13,9 @@ under taskset, in containers and in cgroups, on any core count.
 
 from __future__ import annotations
 
-import logging
+import argparse
 import os
 from dataclasses import dataclass
-
-logger = logging.getLogger(__name__)
 
 FRONTEND_RESERVE = 1   # CPUs kept for front-ends (and the orchestrator) when there are enough
 
@@ -57,6 +55,14 @@ def parse_cpus(text: str) -> tuple[int, ...]:
             raise ValueError(f"CPU list {text!r}: {part!r} is not a valid range")
         cpus.update(range(first, last + 1))
     return tuple(sorted(cpus))
+
+
+def cpu_list_argument(text: str) -> tuple[int, ...]:
+    """parse_cpus for argparse, whose message then says what is wrong."""
+    try:
+        return parse_cpus(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def format_cpus(cpus: tuple[int, ...]) -> str:

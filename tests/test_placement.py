@@ -190,3 +190,14 @@ def test_up_places_ctx_gen_and_orchestrator_by_the_cluster_plan(tmp_path):
                 os.kill(pid, 9)
             except ProcessLookupError:
                 pass
+
+
+def test_bench_engine_runs_on_the_cpus_it_is_given(tmp_path):
+    import json
+    last, out = usable_cpus()[-1], tmp_path / "engine.json"
+    subprocess.run([sys.executable, "-m", "splitserve.cli", "bench", "engine", "--model",
+                    "tiny-random", "--dtype", "float32", "--cpus", str(last), "--threads", "1",
+                    "--prefill-len", "16", "--repeats", "1", "--batch-sizes", "1",
+                    "--decode-steps", "2", "--json", str(out)], check=True, timeout=300)
+    result = json.loads(out.read_text())
+    assert (result["cpus"], result["torch_threads"]) == (str(last), 1)

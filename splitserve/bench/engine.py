@@ -93,11 +93,10 @@ def _machine() -> dict:
 
 
 def place(args) -> None:
-    """Pins this process to the CPUs, and args.threads to the threads, `serve` would give its
-    engine, so the two compare (the command line's process only: pins are inherited)."""
-    cpus = placement.plan_worker(placement.usable_cpus(), args.threads)
-    placement.pin_process(cpus.engine_cpus, "bench engine")
-    args.threads = cpus.engine_threads
+    """With --cpus, pins this process there (the command line's process only: pins are
+    inherited), e.g. to the CPUs `serve` gives its engine, so the two compare."""
+    if args.cpus:
+        placement.pin_process(args.cpus, "bench engine")
 
 
 def run(args) -> dict:
@@ -165,9 +164,9 @@ def add_arguments(p) -> None:
     p.add_argument("--no-pack-weights", action="store_true",
                    help="plain row-major float weights instead of oneDNN's packed layout "
                         "(see splitserve/model/packed.py), to measure the difference")
-    p.add_argument("--threads", type=int, default=None,
-                   help="default: the threads and CPUs `serve` gives its engine (all usable "
-                        "CPUs but one, pinned); as many as there are CPUs: unpinned")
+    p.add_argument("--threads", type=int, default=None, help="default: torch's (all cores)")
+    p.add_argument("--cpus", type=placement.cpu_list_argument, default=None,
+                   help="pin to these CPUs, e.g. those `serve` logs for its engine")
     p.add_argument("--prefill-len", type=int, default=512)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
