@@ -11,6 +11,7 @@ import sys
 def _bench(args) -> int:
     if args.bench_cmd == "engine":
         from splitserve.bench import engine
+        engine.place(args)
         engine.run(args)
     elif args.bench_cmd == "serve":
         from splitserve.bench import serve
@@ -34,13 +35,13 @@ def _chat(args) -> int:
     return 0
 
 
-def _engine_config(args):
+def _engine_config(args, threads: int | None = None):
     from splitserve import envs
     from splitserve.config import CacheConfig, EngineConfig, KVTransferConfig, SchedulerConfig
     return EngineConfig(
         model=args.model, dtype=args.dtype, quantization=args.quantization,
         max_model_len=args.max_model_len,
-        num_threads=args.threads or envs.num_threads(), seed=args.seed,
+        num_threads=threads or args.threads or envs.num_threads(), seed=args.seed,
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
                           memory_bytes=int(args.kv_cache_gib * (1 << 30)),
                           enable_prefix_caching=not args.no_prefix_caching),
@@ -58,7 +59,14 @@ def _add_engine_arguments(p) -> None:
     p.add_argument("--quantization", default=None, choices=["int8", "fp16"],
                    help="weight quantization (activations float32)")
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--threads", type=int, default=None, help="torch threads of the engine")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads of the engine (default: one per CPU it gets)")
+    from splitserve.placement import cpu_list_argument
+    p.add_argument("--cpus", type=cpu_list_argument, default=None,
+                   help="CPUs of the engine, e.g. 1-3 (default: all usable but the first, "
+                        "kept for the front-end)")
+    p.add_argument("--frontend-cpus", type=cpu_list_argument, default=None,
+                   help="CPUs of the front-end (default: those the engine does not get)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=None)
@@ -87,14 +95,15 @@ def _add_secret_arguments(p, what: str) -> None:
                         "variable: every local user can read a command line)")
 
 
-def server_config(args):
-    """`serve`'s ServerConfig: the secrets from the command line or the environment."""
+def server_config(args, threads: int | None = None):
+    """`serve`'s ServerConfig: the secrets from the command line or the environment, and
+    the engine's torch threads (placement.py's plan)."""
     from dataclasses import replace
     from splitserve import envs
     from splitserve.httpd.limits import HTTPLimits
     from splitserve.server.config import ServerConfig
     secret = args.internal_secret or envs.internal_secret()
-    engine = _engine_config(args)
+    engine = _engine_config(args, threads)
     # The engine process keys the KV channel with it (its config crosses pickled, not argv).
     engine = replace(engine, kv=replace(engine.kv, secret=secret))
     return ServerConfig(host=args.host, port=args.port, role=args.role,
@@ -109,9 +118,26 @@ def server_config(args):
                         engine=engine)
 
 
+def _place_worker(args):
+    """The worker's CPU plan (splitserve/placement.py): pins this process, the front-end,
+    and hands the engine process its CPUs through the environment it inherits."""
+    from splitserve import envs, placement
+    cpus = args.cpus or (envs.engine_cpus() and placement.parse_cpus(envs.engine_cpus()))
+    plan = placement.plan_worker(placement.usable_cpus(), args.threads or envs.num_threads(),
+                                 cpus, args.frontend_cpus)
+    placement.pin_process(plan.frontend_cpus, "front-end")
+    os.environ[envs.ENGINE_CPUS] = placement.format_cpus(plan.engine_cpus)
+    return plan
+
+
 def _serve(args) -> int:
     from splitserve.server.app import serve
-    serve(server_config(args))
+    plan = _place_worker(args)
+    config = server_config(args, plan.engine_threads)
+    logging.getLogger(__name__).info(
+        "%s:%d: %s, dtype %s", args.role, args.port, plan.describe(),
+        str(config.engine.torch_dtype).removeprefix("torch."))
+    serve(config)
     return 0
 
 

@@ -12,9 +12,19 @@ def log_level() -> str:
 
 def num_threads() -> int | None:
     """SPLITSERVE_NUM_THREADS: torch intra-op threads of engine processes when the command
-    line does not say (default: torch's choice)."""
+    line does not say (default: the CPU plan's, see splitserve/placement.py)."""
     value = os.environ.get("SPLITSERVE_NUM_THREADS")
     return int(value) if value else None
+
+
+ENGINE_CPUS = "SPLITSERVE_ENGINE_CPUS"
+
+
+def engine_cpus() -> str | None:
+    """SPLITSERVE_ENGINE_CPUS: the CPUs (a list like 0,2-3) engine processes are pinned to
+    when the command line does not say. `serve` sets it from its CPU plan for the engine
+    process it starts; unset there, the engine is not pinned."""
+    return os.environ.get(ENGINE_CPUS) or None
 
 
 def api_key() -> str | None:

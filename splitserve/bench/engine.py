@@ -20,6 +20,7 @@ import time
 import numpy as np
 import torch
 
+from splitserve import placement
 from splitserve.bench import plain_reference
 from splitserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from splitserve.engine.core import EngineCore
@@ -91,6 +92,13 @@ def _machine() -> dict:
             "processor": platform.processor() or platform.machine()}
 
 
+def place(args) -> None:
+    """With --cpus, pins this process there (the command line's process only: pins are
+    inherited), e.g. to the CPUs `serve` gives its engine, so the two compare."""
+    if args.cpus:
+        placement.pin_process(args.cpus, "bench engine")
+
+
 def run(args) -> dict:
     config = EngineConfig(model=args.model, dtype=args.dtype, quantization=args.quantization,
                           pack_weights=not args.no_pack_weights,
@@ -128,7 +136,8 @@ def _describe(engine: EngineCore, config: EngineConfig, args) -> dict:
     return {"model": engine.model_config.name, "dtype_requested": args.dtype,
             "dtype": str(config.torch_dtype).removeprefix("torch."),
             "quantization": args.quantization, "packed_weights": engine.runner.model.packed,
-            "threads": args.threads, **_machine(),
+            "threads": args.threads, "cpus": placement.format_cpus(tuple(os.sched_getaffinity(0))),
+            **_machine(),
             "prefill_len": args.prefill_len, "decode_prompt_len": args.decode_prompt_len,
             "decode_tok_s": {}, "decode_ms_step": {}, "other_cores_busy": {}}
 
@@ -137,7 +146,8 @@ def _headline(r: dict) -> str:
     native = "native" if r["avx512_bf16"] or r["amx"] else "no native"
     layout = ", packed" if r["packed_weights"] else ""
     return (f"{r['model']}: {r['quantization'] or r['dtype']}{layout} weights, dtype {r['dtype_requested']}"
-            f" -> {r['dtype']}, {r['torch_threads']} threads, CPU {r['cpu_capability']} "
+            f" -> {r['dtype']}, {r['torch_threads']} threads on CPUs {r['cpus']}, "
+            f"CPU {r['cpu_capability']} "
             f"({native} bfloat16)")
 
 
@@ -154,7 +164,9 @@ def add_arguments(p) -> None:
     p.add_argument("--no-pack-weights", action="store_true",
                    help="plain row-major float weights instead of oneDNN's packed layout "
                         "(see splitserve/model/packed.py), to measure the difference")
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--threads", type=int, default=None, help="default: torch's (all cores)")
+    p.add_argument("--cpus", type=placement.cpu_list_argument, default=None,
+                   help="pin to these CPUs, e.g. those `serve` logs for its engine")
     p.add_argument("--prefill-len", type=int, default=512)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])

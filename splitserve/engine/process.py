@@ -16,9 +16,10 @@ import threading
 import time
 
 import msgspec
+import torch
 import zmq
 
-from splitserve import envs
+from splitserve import envs, placement
 from splitserve.config import EngineConfig
 from splitserve.engine.core import EngineCore
 from splitserve.errors import InvalidRequestError
@@ -45,6 +46,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
     in_q: queue.Queue = queue.Queue()
     threading.Thread(target=_send_loop, args=(ctx, output_addr, out_q, in_q), daemon=True).start()
     try:
+        _pin()
         engine = EngineCore(config)
     except Exception as exc:
         logger.exception("engine failed to start")
@@ -63,6 +65,8 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
     sys.setswitchinterval(SWITCH_INTERVAL)
     bm = engine.block_manager
     dtype = str(engine.runner.kv_cache.dtype).removeprefix("torch.")
+    logger.info("engine: %s, %d torch thread(s) on CPUs %s", dtype, torch.get_num_threads(),
+                placement.format_cpus(tuple(os.sched_getaffinity(0))))
     out_q.put(EngineReady(engine.model_config.name, dtype, engine.model_config.vocab_size,
                           engine.max_model_len, bm.num_blocks, bm.block_size,
                           engine.remote_kv.endpoint))
@@ -77,6 +81,14 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
 
 
 _WAKE = object()
+
+
+def _pin() -> None:
+    """Pins the process to its CPUs (SPLITSERVE_ENGINE_CPUS) before torch starts its OpenMP
+    threads (at the first parallel region, in EngineCore), so that they inherit them."""
+    cpus = envs.engine_cpus()
+    if cpus:
+        placement.pin_process(placement.parse_cpus(cpus), "engine")
 
 
 def _step_loop(engine: EngineCore, in_q: queue.Queue, out_q: queue.Queue, parent: int,

@@ -22,16 +22,20 @@ from splitserve import envs
 from splitserve.orchestrator.app import run_orchestrator
 from splitserve.orchestrator.cluster import ClusterConfig, PoolConfig
 from splitserve.orchestrator.supervisor import Supervisor, WorkerChild
+from splitserve.placement import (ClusterPlan, WorkerPlan, format_cpus, pin_process,
+                                  plan_cluster, usable_cpus)
 
 logger = logging.getLogger(__name__)
 
 KV_HOST = "127.0.0.1"   # the workers' KV servers bind and advertise loopback (--kv-host's default)
 
 
-def worker_command(args, role: str, port: int) -> list[str]:
+def worker_command(args, role: str, port: int, cpus: WorkerPlan) -> list[str]:
     cmd = [sys.executable, "-m", "splitserve.cli", "--log-level", args.log_level, "serve",
            "--role", role, "--port", str(port), "--host", args.host, "--dtype", args.dtype,
-           "--kv-backend", args.kv_backend, "--kv-cache-gib", str(args.kv_cache_gib)]
+           "--kv-backend", args.kv_backend, "--kv-cache-gib", str(args.kv_cache_gib),
+           "--threads", str(cpus.engine_threads), "--cpus", format_cpus(cpus.engine_cpus),
+           "--frontend-cpus", format_cpus(cpus.frontend_cpus)]
     if args.model:
         cmd += ["--model", args.model]
     return cmd
@@ -63,21 +67,19 @@ def cluster_secrets(args) -> dict[str, str]:
     return out
 
 
-def start_workers(args, secret_env: dict[str, str]) -> list[WorkerChild]:
-    n = args.num_ctx + args.num_gen
-    threads = args.threads or max(1, (os.cpu_count() or 1) // n)
-    env = dict(os.environ, SPLITSERVE_NUM_THREADS=str(threads), **secret_env)
+def start_workers(args, plan: ClusterPlan, secret_env: dict[str, str]) -> list[WorkerChild]:
+    env = dict(os.environ, **secret_env)
     # Fixed KV ports: a restarted CTX comes back at the same endpoint, and each GEN is told
     # the CTX endpoints it may pull from (it dials no other).
-    kv_ports = free_ports(args.port + 1 + n, args.num_ctx)
+    kv_ports = free_ports(args.port + 1 + len(plan.workers), args.num_ctx)
     kv_peers = ",".join(f"tcp://{KV_HOST}:{p}" for p in kv_ports)
     children = []
-    for i in range(n):
+    for i, cpus in enumerate(plan.workers):
         role = "ctx" if i < args.num_ctx else "gen"
         port = args.port + 1 + i
         kv = ["--kv-port", str(kv_ports[i])] if role == "ctx" else ["--kv-peers", kv_peers]
         children.append(WorkerChild(role, f"http://{args.host}:{port}",
-                                    worker_command(args, role, port) + kv, env))
+                                    worker_command(args, role, port, cpus) + kv, env))
     return children
 
 
@@ -124,8 +126,14 @@ def banner(config: ClusterConfig) -> str:
 
 
 def up(args) -> int:
+    plan = plan_cluster(usable_cpus(), args.num_ctx + args.num_gen, args.threads)
+    for i, cpus in enumerate(plan.workers):
+        logger.info("up: worker %d: %s", i, cpus.describe())
+    # Workers are told their CPUs on their command lines, so they may leave this one's.
+    pin_process(plan.orchestrator_cpus, "orchestrator")
+    logger.info("up: orchestrator on CPUs %s", format_cpus(plan.orchestrator_cpus))
     secret_env = cluster_secrets(args)
-    children = start_workers(args, secret_env)
+    children = start_workers(args, plan, secret_env)
     supervisor = Supervisor(children)
     # Signals during startup must still stop the children.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
