@@ -209,3 +209,28 @@ def test_the_engine_reports_liveness_while_idle_and_its_kv_transport_health():
     assert _stats(engine).kv_error == ""
     engine.remote_kv.close()
     assert "KV transport threads stopped" in _stats(engine).kv_error
+
+
+def test_the_engine_sockets_live_in_a_directory_only_this_user_may_enter():
+    """Another local user must not reach the engine's ipc sockets and feed it requests."""
+    import os
+    import stat
+
+    import zmq.asyncio
+
+    from splitserve.config import EngineConfig
+    from splitserve.server.engine_process import EngineProcess
+
+    async def life() -> str:
+        ctx = zmq.asyncio.Context()
+        try:
+            proc = EngineProcess(ctx, EngineConfig(model="tiny-random"), "t")
+            assert stat.S_IMODE(os.stat(proc.ipc_dir).st_mode) == 0o700
+            assert proc.input_addr.startswith(f"ipc://{proc.ipc_dir}/")
+            assert os.path.exists(proc.input_addr.removeprefix("ipc://"))
+            proc.close()
+            return proc.ipc_dir
+        finally:
+            ctx.destroy(linger=0)
+
+    assert not os.path.exists(asyncio.run(life()))

@@ -63,7 +63,8 @@ class EngineCore(FailureHandling, OutputBuilding):
         self.remote_kv = RemoteKV(config.kv, self.block_manager, self.runner.kv_cache, cfg,
                                   config.torch_dtype)
         logger.info("engine: %s %s, %d KV blocks of %d tokens, max_model_len %d", cfg.name,
-                    config.dtype, num_blocks, block_size, self.max_model_len)
+                    str(config.torch_dtype).removeprefix("torch."), num_blocks, block_size,
+                    self.max_model_len)
 
     # -- requests in ----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: PromptTokens, params: SamplingParams,

@@ -14,7 +14,6 @@ import multiprocessing
 import os
 import signal
 import tempfile
-import uuid
 from typing import Callable
 
 import msgspec
@@ -36,7 +35,10 @@ class EngineDeadError(RuntimeError):
 
 class EngineProcess:
     def __init__(self, ctx: zmq.asyncio.Context, config: EngineConfig, log_prefix: str):
-        base = os.path.join(tempfile.gettempdir(), f"splitserve-{uuid.uuid4().hex[:12]}")
+        # A directory only this user may enter (0700): no other local user can connect to
+        # the engine's sockets and feed it requests.
+        self.ipc_dir = tempfile.mkdtemp(prefix="splitserve-")
+        base = os.path.join(self.ipc_dir, "engine")
         self.input_addr, self.output_addr = f"ipc://{base}-in", f"ipc://{base}-out"
         self.log_prefix = log_prefix
         self._in_async = ctx.socket(zmq.PUSH)   # owns the socket; in_sock shadows it
@@ -153,6 +155,10 @@ class EngineProcess:
                 os.unlink(addr.removeprefix("ipc://"))
             except FileNotFoundError:
                 pass
+        try:
+            os.rmdir(self.ipc_dir)
+        except OSError:
+            pass
 
     def _watch(self, fd: int, callback: Callable[[], None]) -> None:
         asyncio.get_running_loop().add_reader(fd, callback)
