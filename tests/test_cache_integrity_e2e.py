@@ -5,18 +5,15 @@ cache serves them) exactly as an aggregated reference does."""
 
 import base64
 import json
-import os
 import urllib.error
 import urllib.request
 
 import numpy as np
 import pytest
 
-from server_utils import Orchestrator, Worker, metrics
+from server_utils import INTERNAL, Orchestrator, Worker, metrics
 
 MODEL = ("--model", "tiny-random", "--dtype", "float32")
-SECRET = "integrity-test-secret"
-HEADER = "X-Splitserve-Internal-Secret"
 rng = np.random.default_rng(13)
 P1, P2 = (rng.integers(3, 1000, 40).tolist() for _ in range(2))
 SHARES = P2[:32] + rng.integers(3, 1000, 9).tolist()   # two of P2's blocks of 16, then its own
@@ -26,7 +23,7 @@ BODY = {"model": "tiny-random", "max_tokens": 12, "temperature": 0, "ignore_eos"
 def post(url: str, body: dict) -> tuple[int, dict]:
     """With the cluster's internal secret, as the orchestrator sends it."""
     req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={
-        "Content-Type": "application/json", HEADER: SECRET})
+        "Content-Type": "application/json", **INTERNAL})
     try:
         with urllib.request.urlopen(req, timeout=120) as r:
             return r.status, json.loads(r.read())
@@ -46,9 +43,7 @@ def text(url: str, prompt: list[int], **extra) -> str:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    old = os.environ.get("SPLITSERVE_INTERNAL_SECRET")
-    os.environ["SPLITSERVE_INTERNAL_SECRET"] = SECRET   # the workers' and orchestrator's
-    started = []
+    started = []   # server_utils gives them all its internal secret
     try:
         started.append(Worker(*MODEL, "--role", "ctx"))
         started.append(Worker(*MODEL, "--role", "gen"))
@@ -58,10 +53,6 @@ def cluster(tmp_path_factory):
     finally:
         for p in reversed(started):
             p.close()
-        if old is None:
-            os.environ.pop("SPLITSERVE_INTERNAL_SECRET", None)
-        else:
-            os.environ["SPLITSERVE_INTERNAL_SECRET"] = old
 
 
 def test_forged_prompt_tokens_are_refused_and_poison_nothing(cluster):
