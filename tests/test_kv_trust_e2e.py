@@ -15,20 +15,19 @@ from zmq.utils.monitor import recv_monitor_message
 
 from splitserve.bench.server_process import free_port
 
-from server_utils import Orchestrator, UpCluster, Worker, descendants, metrics, post, stream
+from server_utils import (INTERNAL, TEST_SECRET, Orchestrator, UpCluster, Worker, descendants,
+                          metrics, post, stream)
 
-SECRET = "e2e internal secret"
 MODEL = ("--model", "tiny-random", "--dtype", "float32")
 COMPLETION = {"model": "tiny-random", "prompt": "The quick brown fox jumps", "max_tokens": 12,
               "temperature": 0}
-INTERNAL_HEADER = "X-Splitserve-Internal-Secret"
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     procs = []
     with pytest.MonkeyPatch.context() as env:   # the processes started here inherit it
-        env.setenv("SPLITSERVE_INTERNAL_SECRET", SECRET)
+        env.setenv("SPLITSERVE_INTERNAL_SECRET", TEST_SECRET)   # server_utils' own
         kv_port = free_port()
         try:
             procs.append(Worker(*MODEL, "--role", "ctx", "--kv-port", str(kv_port)))
@@ -46,7 +45,7 @@ def internal_post(url, body):
     """A worker's internal request, carrying the cluster's secret as the orchestrator does."""
     req = urllib.request.Request(url, data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json",
-                                          INTERNAL_HEADER: SECRET})
+                                          **INTERNAL})
     try:
         with urllib.request.urlopen(req, timeout=120) as r:
             return r.status, json.loads(r.read())
@@ -141,7 +140,6 @@ def worker_commands(pid):
 
 
 def test_up_gives_its_gens_the_ctx_kv_endpoints_as_peers(monkeypatch):
-    monkeypatch.setenv("SPLITSERVE_INTERNAL_SECRET", SECRET)
     up = UpCluster(*MODEL, "--num-ctx", "2")
     try:
         cmds = worker_commands(up.proc.pid)
