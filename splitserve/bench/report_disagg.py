@@ -21,15 +21,14 @@ def disagg(cfg: ReportConfig) -> Section:
     rate, n, duration, n_in, n_out, frac, lo, hi = (
         (2.0, 8, 30, 64, 16, 0.25, 1000, 2000) if cfg.quick else
         (0.2, 20, 100, 64, 32, 0.1, 2000, 4000))
-    targets = {"agg-mixed": "aggregated: 1 worker, 2 threads",
-               "disagg-mixed": "disaggregated: 1 CTX + 1 GEN, 1 thread each"}
+    targets = {"agg-mixed": "aggregated: 1 worker, default placement",
+               "disagg-mixed": "disaggregated: 1 CTX + 1 GEN, default placement"}
     results, cmds, notes, gen, background = {}, [], [], None, {}
     for label, name in targets.items():
         port = free_port(3)
         gen_url = f"http://127.0.0.1:{port + 2}" if label == "disagg-mixed" else None
         serve = worker_cmd(cfg, port) if gen_url is None else tool(    # `up --port P`: CTX on
-            "up", *cfg.model_args, "--dtype", cfg.serve_dtype, "--threads", "1",  # P+1, GEN P+2
-            "--port", str(port))
+            "up", *cfg.model_args, "--dtype", cfg.serve_dtype, "--port", str(port))  # P+1, P+2
         url, path = f"http://127.0.0.1:{port}", cfg.result(f"{label}.json")
         cmds += [serve, bench_serve_cmd(
             url, label, path, "--workload", "mixed", "--input-len", n_in, "--output-len", n_out,

@@ -42,7 +42,8 @@ def worker(cfg: ReportConfig) -> Section:
                          num(probe.cores())])
     plot_cmd, plots = plot_step(cfg, paths, "worker")
     body = "\n\n".join([
-        f"One `splitserve serve` worker ({cfg.serve_dtype}, 2 threads) on "
+        f"One `splitserve serve` worker ({cfg.serve_dtype}, default CPU placement: the engine "
+        "pinned to every CPU but the first, the front-end on the first) on "
         f"{cfg.model or 'the bundled model'}: streaming /v1/completions, random prompts of "
         f"{n_in} tokens, {n_out} output tokens each (ignore_eos), closed loop at each "
         "concurrency. Latencies in ms as p50 / p90 / p99 (definitions at the end); "
@@ -65,8 +66,8 @@ def bench_serve_cmd(url: str, label: str, path: str, *load) -> list[str]:
 
 
 def worker_cmd(cfg: ReportConfig, port: int) -> list[str]:
-    """One aggregated worker on both cores."""
-    return tool("serve", *cfg.model_args, "--dtype", cfg.serve_dtype, "--threads", "2",
+    """One aggregated worker as a user gets it: default CPU placement (placement.py)."""
+    return tool("serve", *cfg.model_args, "--dtype", cfg.serve_dtype,
                 "--kv-cache-gib", "2", "--port", str(port))
 
 
