@@ -168,7 +168,8 @@ def _up(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitserve", description=__doc__)
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-level", default=None,
+                        help="default: $SPLITSERVE_LOG_LEVEL, else INFO")
     sub = parser.add_subparsers(dest="cmd", required=True)
 
     chat = sub.add_parser("chat", help="answer one chat message offline")
@@ -267,8 +268,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    os.environ.setdefault("SPLITSERVE_LOG_LEVEL", args.log_level.upper())   # engine processes
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(message)s")
+    from splitserve import envs
+    # The flag wins over the environment; engine processes read the level from it.
+    args.log_level = (args.log_level or envs.log_level()).upper()
+    os.environ["SPLITSERVE_LOG_LEVEL"] = args.log_level
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(message)s")
     return args.func(args)
 
 

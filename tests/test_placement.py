@@ -109,7 +109,8 @@ class _Serve(ServerProcess):
         self.log = tmp_path / f"serve-{self.port}.log"
         with open(self.log, "w") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "splitserve.cli", "serve", "--model", "tiny-random",
+                [sys.executable, "-m", "splitserve.cli", "--log-level", "INFO", "serve",
+                 "--model", "tiny-random",
                  "--port", str(self.port), *args], stdout=out, stderr=subprocess.STDOUT,
                 env=dict(os.environ, **(env or {})))
 

@@ -106,7 +106,7 @@ def test_b64_path_builds_no_python_list_of_the_prompt(cluster, monkeypatch, tiny
     """A generation front-end in this process (its engine a real child process): building a
     list of the prompt anywhere on the b64 path fails the request."""
     import aiohttp
-    from splitserve.config import EngineConfig
+    from splitserve.config import EngineConfig, KVTransferConfig
     from splitserve.server.app import WorkerServer
     from splitserve.server.config import ServerConfig
 
@@ -120,7 +120,8 @@ def test_b64_path_builds_no_python_list_of_the_prompt(cluster, monkeypatch, tiny
     async def run():
         server = WorkerServer(ServerConfig(
             role="gen", port=0, internal_secret=TEST_SECRET, engine=EngineConfig(
-                model="tiny-random", dtype="float32", num_threads=1)))
+                model="tiny-random", dtype="float32", num_threads=1,
+                kv=KVTransferConfig(secret=TEST_SECRET))))
         await server.start()
         monkeypatch.setattr(PromptTokens, "tolist", forbidden)
         monkeypatch.setattr(PromptTokens, "from_list", forbidden)
