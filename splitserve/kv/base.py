@@ -10,7 +10,6 @@ engine as int64 arrays that nobody writes in place.
 from __future__ import annotations
 
 import abc
-import hashlib
 from dataclasses import dataclass
 from typing import Callable
 
@@ -34,10 +33,6 @@ def layout_fingerprint(cfg: ModelConfig, dtype: torch.dtype, block_size: int) ->
     """Readable, so the log of a mismatch says what differs (clients are told less)."""
     return (f"{cfg.name}|{str(dtype).removeprefix('torch.')}|layers={cfg.num_layers}"
             f"|kv_heads={cfg.num_kv_heads}|head_dim={cfg.head_dim}|block={block_size}")
-
-
-def short_hash(text: str) -> str:
-    return hashlib.blake2b(text.encode(), digest_size=6).hexdigest()
 
 
 class LeaseView(abc.ABC):
