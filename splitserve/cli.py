@@ -47,8 +47,7 @@ def _engine_config(args, threads: int | None = None):
                           enable_prefix_caching=not args.no_prefix_caching),
         scheduler=SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs),
         kv=KVTransferConfig(args.kv_backend, args.kv_host, args.kv_port, args.kv_lease_seconds,
-                            args.kv_timeout, peers=args.kv_peers,
-                            bench_skip_pull=getattr(args, "bench_skip_kv_pull", False)))
+                            args.kv_timeout, peers=args.kv_peers))
 
 
 def _add_engine_arguments(p) -> None:
@@ -74,7 +73,10 @@ def _add_engine_arguments(p) -> None:
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--kv-backend", default="tcp", choices=["tcp", "nixl"])
+    from splitserve.kv import TRANSPORT_MODULES
+    p.add_argument("--kv-backend", default="tcp", choices=list(TRANSPORT_MODULES),
+                   help="how KV moves from CTX to GEN workers; none moves nothing, so "
+                        "generation_only output is garbage (front-end benchmarks only)")
     p.add_argument("--kv-host", default="127.0.0.1", help="address the KV server binds/advertises")
     p.add_argument("--kv-port", type=int, default=0)
     p.add_argument("--kv-lease-seconds", type=float, default=30.0)
@@ -203,9 +205,6 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds a request line and headers may take (then 408)")
     serve.add_argument("--request-body-timeout", type=float, default=HTTPLimits.body_timeout,
                        help="seconds a request body may take once its head is in (then 408)")
-    serve.add_argument("--bench-skip-kv-pull", action="store_true",
-                       help="benchmark only: generation_only requests skip the KV pull and "
-                            "decode from stale blocks; output is garbage")
     _add_secret_arguments(serve, "this worker")
     serve.set_defaults(func=_serve)
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from splitserve.kv import TRANSPORT_MODULES
 from splitserve.model.quant import QUANTIZATIONS, quantization_supported
 
 logger = logging.getLogger(__name__)
@@ -47,7 +48,7 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class KVTransferConfig:
-    backend: str = "tcp"                   # "tcp" (built in) or "nixl"
+    backend: str = "tcp"                   # a transport of kv/__init__.py: tcp, nixl, none
     host: str = "127.0.0.1"                # address the KV server binds and advertises
     port: int = 0                          # 0: any free port
     lease_seconds: float = 30.0            # a context_only request's KV waits this long for a pull
@@ -59,12 +60,10 @@ class KVTransferConfig:
     secret: str | None = field(default=None, repr=False)
     # KV endpoints (tcp://host:port) a generation_only request may name; see kv/peers.py.
     peers: tuple[str, ...] = ()
-    # Benchmark only (`bench frontend`): a generation_only pull reports success at once and
-    # moves nothing, so its blocks hold stale KV and the output is garbage.
-    bench_skip_pull: bool = False
 
     def __post_init__(self):
-        _require(self.backend in ("tcp", "nixl"), f"KV backend must be tcp or nixl, got {self.backend!r}")
+        _require(self.backend in TRANSPORT_MODULES, f"KV backend must be one of "
+                 f"{', '.join(TRANSPORT_MODULES)}, got {self.backend!r}")
         _require(self.lease_seconds > 0, "lease_seconds must be positive")
         _require(self.timeout > 0, "KV transfer timeout must be positive")
         _require(self.connect_timeout > 0, "KV connect_timeout must be positive")

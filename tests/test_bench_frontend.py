@@ -1,5 +1,5 @@
-"""`splitserve bench frontend` against real tiny GEN workers: one that skips KV pulls (the
-benchmark's target) and one that does not (which the benchmark must refuse). No timing
+"""`splitserve bench frontend` against real tiny GEN workers: one whose KV backend is `none`
+(the benchmark's target) and one that really pulls KV (which the benchmark must refuse). No timing
 ratios are asserted: the machine is shared and noisy."""
 
 import asyncio
@@ -29,7 +29,7 @@ def bench(url: str, tmp_path, *extra: str) -> dict:
 
 
 def test_every_mode_runs_against_a_worker_that_skips_kv_pulls(tmp_path):
-    worker = Worker(*GEN, "--bench-skip-kv-pull")
+    worker = Worker(*GEN, "--kv-backend", "none")
     try:
         result = bench(worker.url, tmp_path, "--ramp-up", "0.4", "--think-time", "0.01")
         longer = bench(worker.url, tmp_path, "--modes", "metadata", "--isl", "64",
@@ -40,11 +40,11 @@ def test_every_mode_runs_against_a_worker_that_skips_kv_pulls(tmp_path):
     (run,) = longer["runs"]
     assert run["duration_s"] >= 0.45 and run["completed"] > 10
     assert not run["truncated_by_duration"]
-    assert result["bench_skip_kv_pull"] is True and "skipped" in result["note"]
+    assert result["kv_backend"] == "none" and "skipped" in result["note"]
     # the 4th connection waits 3/4 of the ramp (0.3 s; timers may fire a little early)
     # before its first request; without a ramp a run of 10 takes a few milliseconds
     assert min(r["duration_s"] for r in result["runs"]) >= 0.25
-    assert result["worker"]["health"]["bench_skip_kv_pull"] is True
+    assert result["worker"]["health"]["kv_backend"] == "none"
     runs = result["runs"]
     assert [(r["mode"], r["isl"], r["concurrency"]) for r in runs] == [
         (m, isl, 4) for isl in (64, 1024) for m in ("metadata", "b64", "list")]
@@ -83,16 +83,16 @@ def test_refuses_a_worker_that_really_pulls_kv(tmp_path):
     worker = Worker(*GEN, "--kv-timeout", "1")   # a pull to nowhere waits this long
     try:
         _, health = get(worker.url + "/health")
-        assert "bench_skip_kv_pull" not in json.loads(health)
-        # Why it must refuse: the benchmark's KV handle points nowhere, so the pull fails
-        # (cleanly: an error answer, and the worker keeps serving).
+        assert json.loads(health)["kv_backend"] == "tcp"
+        # Why it must refuse: the benchmark's KV handle names the `none` backend and points
+        # nowhere, so the request fails (cleanly: an error answer, and the worker keeps serving).
         layout, vocab, _ = frontend_worker.tiny_layout(16)
         target = frontend_client.Target(worker.url, "tiny-random", layout, vocab)
         body = b"one".join(frontend_client.body_parts(target, "metadata", 64))
         status, answer = post(worker.url + "/v1/completions", body)
-        assert status != 200 and "KV transfer" in answer["error"]["message"]
+        assert status == 400 and "KV backend 'none'" in answer["error"]["message"]
         assert get(worker.url + "/health")[0] == 200
-        with pytest.raises(SystemExit, match="bench_skip_kv_pull: true"):
+        with pytest.raises(SystemExit, match="kv_backend 'tcp', not 'none'"):
             bench(worker.url, tmp_path)
     finally:
         worker.close()

@@ -2,7 +2,7 @@
 prompt length (ISL) and concurrency.
 
 A GEN worker (started here, a fresh one per ISL; or one given with --url) runs with
---bench-skip-kv-pull: a generation_only request gets its blocks, "pulls" nothing, takes its
+--kv-backend none: a generation_only request gets its blocks, "pulls" nothing, takes its
 first token from the request (max_tokens 1) and frees its blocks at once. What is left to
 measure is the front-end's event loop: reading the body, decoding the relayed prompt (a
 JSON int list, base64 int32, or only its length), checking it and handing it to the engine.
@@ -43,9 +43,9 @@ from splitserve.bench.frontend_config import (DEFAULT_CONCURRENCY, DEFAULT_ISL, 
                                               FrontendBenchConfig)
 from splitserve.bench.frontend_report import (evaluate_targets, format_ms, format_table,
                                               format_targets, plot, summarize_run)
-from splitserve.bench.frontend_worker import BenchWorker, check_skip_flag, get_json, tiny_layout
+from splitserve.bench.frontend_worker import BenchWorker, check_kv_backend, get_json, tiny_layout
 
-SKIP_NOTE = ("the KV pull was skipped (--bench-skip-kv-pull): generation_only requests decode "
+SKIP_NOTE = ("the KV pull was skipped (--kv-backend none): generation_only requests decode "
              "from stale blocks, so their output is garbage; only the front-end is measured")
 
 
@@ -72,7 +72,7 @@ def benchmark(cfg: FrontendBenchConfig) -> dict:
                 workers.append(worker)
                 worker.wait_healthy()
             url = cfg.url or worker.url
-            health = check_skip_flag(url)
+            health = check_kv_backend(url)
             model = get_json(url.rstrip("/") + "/v1/models")["data"][0]
             target = Target(url, model["id"], layout, vocab_size, cfg.block_size)
             for mode in modes:   # unmeasured (first-request costs), but must succeed too
@@ -93,7 +93,7 @@ def benchmark(cfg: FrontendBenchConfig) -> dict:
             "command": list(sys.argv), "versions": provenance.versions(),
             "machine": provenance.machine(),
             "load_average": {"start": load_start, "end": os.getloadavg()},
-            "bench_skip_kv_pull": True, "note": SKIP_NOTE,
+            "kv_backend": "none", "note": SKIP_NOTE,
             "worker": {"url": url, "started_here": bool(workers),
                        "started_per_isl": [w.url for w in workers],
                        "args": workers[0].args if workers else None, "health": health,
@@ -143,7 +143,7 @@ def add_arguments(p) -> None:
     p.add_argument("--quick", action="store_true",
                    help="a small grid (ISL 1k,32k; concurrency 64,256) unless --isl/--concurrency")
     p.add_argument("--url", default=None, help="an existing worker started with "
-                   "--bench-skip-kv-pull (default: start a tiny-random GEN worker)")
+                   "--kv-backend none (default: start a tiny-random GEN worker)")
     p.add_argument("--max-tokens", type=int, default=1,
                    help="tokens each request generates: 1 makes every request pure front-end "
                         "work; more keeps `concurrency` requests decoding on the worker, as a "

@@ -53,7 +53,7 @@ def body_parts(target: Target, mode: str, isl: int, max_tokens: int = 1) -> list
     rid = _MARK.decode()
     dp = {"request_type": "generation_only", "ctx_request_id": rid,
           "first_gen_tokens": [FIRST_TOKEN], "prompt_len": isl,
-          "kv_handle": {"backend": "tcp", "endpoint": "tcp://127.0.0.1:1", "ctx_request_id": rid,
+          "kv_handle": {"backend": "none", "endpoint": "tcp://127.0.0.1:1", "ctx_request_id": rid,
                         "layout": target.layout, "num_tokens": isl}}
     if mode != "metadata":   # relayed tokens are checked against the prompt CTX prefilled
         dp["kv_handle"]["prompt_digest"] = digest_of_tokens(ids, target.block_size)

@@ -1,5 +1,5 @@
 """The GEN worker `splitserve bench frontend` measures: one it starts with
---bench-skip-kv-pull, or one given with --url, which must report that flag."""
+--kv-backend none, or one given with --url, whose /health must report that backend."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def tiny_layout(block_size: int) -> tuple[str, int, int]:
 
 
 class BenchWorker(ServerProcess):
-    """`splitserve serve` as a tiny-random GEN worker with --bench-skip-kv-pull in a
+    """`splitserve serve` as a tiny-random GEN worker with --kv-backend none in a
     subprocess; `args` are its serve arguments, as the result records them."""
 
     def __init__(self, cfg: FrontendBenchConfig, block_bytes: int):
@@ -39,7 +39,7 @@ class BenchWorker(ServerProcess):
         # No prefix caching: hashing a list/b64 prompt's blocks is engine work that would
         # compete with the front-end for the same cores and blur the comparison.
         self.args = ["--model", "tiny-random", "--dtype", "float32", "--role", "gen",
-                     "--bench-skip-kv-pull", "--port", str(port), "--block-size",
+                     "--kv-backend", "none", "--port", str(port), "--block-size",
                      str(cfg.block_size), "--num-blocks", str(num_blocks), "--max-num-seqs",
                      str(max(cfg.concurrency)), "--max-num-batched-tokens",
                      str(max(512, max(cfg.concurrency))), "--no-prefix-caching"]
@@ -77,14 +77,14 @@ def get_json(url: str) -> dict:
         raise BenchError(f"GET {url} failed: {exc}") from None
 
 
-def check_skip_flag(url: str) -> dict:
-    """/health of a worker we did not start; refuse it unless it skips KV pulls."""
+def check_kv_backend(url: str) -> dict:
+    """/health of the worker; refuse it unless its KV backend is `none` (it pulls nothing)."""
     health = get_json(url.rstrip("/") + "/health")
-    if health.get("bench_skip_kv_pull") is not True:
+    if health.get("kv_backend") != "none":
         raise BenchError(
-            f"refusing {url}: its /health does not report bench_skip_kv_pull: true. The "
-            "benchmark's generation_only requests carry a KV handle that points nowhere "
-            "(tcp://127.0.0.1:1), so a worker that really pulls KV fails every one of them; "
-            "start it with `splitserve serve ... --bench-skip-kv-pull`, or leave out --url and "
-            "let this command start one")
+            f"refusing {url}: its /health reports kv_backend {health.get('kv_backend')!r}, "
+            "not 'none'. The benchmark's generation_only requests carry a KV handle that "
+            "points nowhere (tcp://127.0.0.1:1), so a worker that really pulls KV fails every "
+            "one of them; start it with `splitserve serve ... --kv-backend none`, or leave out "
+            "--url and let this command start one")
     return health

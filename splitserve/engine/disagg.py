@@ -50,9 +50,6 @@ class RemoteKV:
             logger.warning("engine: no internal secret: the KV channel is plaintext and any "
                            "process that reaches %s may connect (set SPLITSERVE_INTERNAL_SECRET "
                            "to encrypt and authenticate it)", self.endpoint)
-        if config.bench_skip_pull:
-            logger.warning("engine: bench_skip_pull is on: generation_only requests skip their "
-                           "KV pull and decode from stale blocks; output is garbage (benchmark only)")
 
     # -- context_only ---------------------------------------------------------------------
     def lease(self, req: Request) -> KVHandle:
@@ -97,9 +94,6 @@ class RemoteKV:
 
     def start_pull(self, req: Request) -> None:
         req.pulling = True
-        if self.config.bench_skip_pull:   # nothing moves: the blocks keep whatever KV they held
-            self._done(req, PullResult(ok=True))
-            return
         n_blocks = self.bm.blocks_needed(req.num_prompt_tokens)
         # The CTX compares num_tokens with the lease: send this request's own prompt_len.
         handle = msgspec.structs.replace(req.remote.handle, num_tokens=req.num_prompt_tokens)

@@ -10,12 +10,14 @@ engine as int64 arrays that nobody writes in place.
 from __future__ import annotations
 
 import abc
+import importlib
 from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 import torch
 
+from splitserve.kv import TRANSPORT_MODULES
 from splitserve.kv.messages import PullRequest
 from splitserve.model.config import ModelConfig
 from splitserve.protocol.engine import KVHandle
@@ -126,10 +128,10 @@ def register(name: str):
 
 
 def make_transport(name: str, kv_cache: torch.Tensor, layout: str, **options) -> KVTransport:
-    if name == "nixl" and name not in TRANSPORTS:
-        import splitserve.kv.nixl  # noqa: F401  (optional dependency, imported on demand)
+    """The transport registered under `name` (kv/__init__.py lists them), built with the
+    options it takes."""
+    if name not in TRANSPORTS and name in TRANSPORT_MODULES:
+        importlib.import_module(TRANSPORT_MODULES[name])
     if name not in TRANSPORTS:
-        import splitserve.kv.tcp  # noqa: F401
-    if name not in TRANSPORTS:
-        raise ValueError(f"unknown KV transport {name!r}; known: {', '.join(sorted(TRANSPORTS))}")
+        raise ValueError(f"unknown KV transport {name!r}; known: {', '.join(TRANSPORT_MODULES)}")
     return TRANSPORTS[name](kv_cache, layout, **options)

@@ -143,10 +143,9 @@ class WorkerServer:
     async def health(self, request: Request) -> Response:
         problem = self.engine.health()
         if problem is None:
-            body = {"status": "ok", "role": self.config.role}
-            if self.config.engine.kv.bench_skip_pull:   # `bench frontend --url` checks this
-                body["bench_skip_kv_pull"] = True
-            return json_response(body)
+            # `bench frontend --url` refuses a worker whose KV backend is not `none`
+            return json_response({"status": "ok", "role": self.config.role,
+                                  "kv_backend": self.config.engine.kv.backend})
         return _error(503, problem, "server_error")
 
     async def prometheus(self, request: Request) -> Response:
