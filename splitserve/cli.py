@@ -10,14 +10,14 @@ import sys
 
 def _bench(args) -> int:
     if args.bench_cmd == "engine":
-        from splitserve.bench import engine
+        from splitserve.bench.engine import main as engine
         engine.place(args)
         engine.run(args)
     elif args.bench_cmd == "serve":
-        from splitserve.bench import serve
+        from splitserve.bench.serve import main as serve
         serve.run(args)
     elif args.bench_cmd == "frontend":
-        from splitserve.bench import frontend
+        from splitserve.bench.frontend import main as frontend
         return frontend.run(args)
     elif args.bench_cmd == "plot":
         from splitserve.bench import plot
@@ -246,19 +246,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_cmd", required=True)
-    from splitserve.bench import engine
+    from splitserve.bench.engine import main as engine
     engine.add_arguments(bench_sub.add_parser("engine", help="engine prefill/decode tok/s"))
-    from splitserve.bench import serve as bench_serve
+    from splitserve.bench.serve import main as bench_serve
     bench_serve.add_arguments(bench_sub.add_parser(
         "serve", help="load-test an OpenAI-compatible server: TTFT, TPOT, ITL, throughput"))
-    from splitserve.bench import frontend as bench_frontend
+    from splitserve.bench.frontend import main as bench_frontend
     bench_frontend.add_arguments(bench_sub.add_parser(
         "frontend", help="the GEN front-end's cost per token relay mode vs prompt length "
                          "and concurrency"))
     from splitserve.bench import plot as bench_plot
     bench_plot.add_arguments(bench_sub.add_parser(
         "plot", help="PNG plots (latency CDFs, metric vs concurrency) from `bench serve` results"))
-    from splitserve.bench import report as bench_report
+    from splitserve.bench.report import main as bench_report
     bench_report.add_arguments(bench_sub.add_parser(       # sets its own func
         "report", help="run every benchmark and regenerate docs/benchmarks.md"))
     bench.set_defaults(func=_bench)

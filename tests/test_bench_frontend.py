@@ -8,7 +8,10 @@ import json
 import pytest
 
 from server_utils import Worker, get, post
-from splitserve.bench import frontend, frontend_client, frontend_report, frontend_worker
+from splitserve.bench.frontend import client as frontend_client
+from splitserve.bench.frontend import main as frontend
+from splitserve.bench.frontend import report as frontend_report
+from splitserve.bench.frontend import worker as frontend_worker
 from splitserve.cli import main
 
 GEN = ("--model", "tiny-random", "--dtype", "float32", "--role", "gen", "--num-blocks", "2048")
@@ -138,7 +141,7 @@ def test_held_requests_cycle_through_lengths_around_max_tokens():
 
 
 def test_raw_client_reads_chunked_and_sized_answers_and_stamps_the_write():
-    from splitserve.bench.raw_http import HTTPConnection
+    from splitserve.httpd.client import HTTPConnection
     seen = []
 
     async def serve(reader, writer):

@@ -5,7 +5,7 @@ with every section, numbers in its tables, its plots on disk, and no server left
 import os
 import re
 
-from splitserve.bench import report
+from splitserve.bench.report import main as report
 from splitserve.cli import main
 
 NUMBER = r"[\d,]+\.?\d*"

@@ -11,9 +11,11 @@ import msgspec
 import pytest
 from aiohttp import web
 
-from splitserve.bench import compare, metrics, plot, serve
-from splitserve.bench.serve import ServeBenchConfig
-from splitserve.bench.workloads import WorkloadConfig
+from splitserve.bench import metrics, plot
+from splitserve.bench.serve import compare
+from splitserve.bench.serve import main as serve
+from splitserve.bench.serve.main import ServeBenchConfig
+from splitserve.bench.serve.workloads import WorkloadConfig
 from splitserve.cli import main
 from splitserve.server.metrics import parse_prometheus
 from server_utils import Worker

@@ -4,8 +4,8 @@ import math
 
 import torch
 
-from splitserve.bench import plain_reference
-from splitserve.bench.engine import add_arguments, run
+from splitserve.bench.engine import plain_reference
+from splitserve.bench.engine.main import add_arguments, run
 from splitserve.model.loader import load_model_source
 
 

@@ -16,8 +16,8 @@ import sys
 import time
 import urllib.request
 
-from splitserve.bench.report_config import ReportConfig
-from splitserve.bench.report_markdown import failed, shown
+from splitserve.bench.report.config import ReportConfig
+from splitserve.bench.report.markdown import failed, shown
 from splitserve.orchestrator.up import wait_healthy
 from splitserve.server.metrics import parse_prometheus
 

@@ -1,6 +1,6 @@
 """The load generator of `splitserve bench frontend`: pre-built generation_only bodies sent
-at fixed concurrency over keep-alive connections (raw_http.py: X-Sent-At is stamped as the
-request is written), from a process of its own."""
+at fixed concurrency over keep-alive connections (splitserve/httpd/client.py: X-Sent-At is
+stamped as the request is written), from a process of its own."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import aiohttp
 import msgspec
 import numpy as np
 
-from splitserve.bench.frontend_config import BenchError
-from splitserve.bench.raw_http import HTTPConnection
+from splitserve.bench.frontend.config import BenchError
+from splitserve.httpd.client import HTTPConnection
 from splitserve.engine.prompt_digest import digest_of_tokens
 
 FIRST_TOKEN = 42                       # first_gen_tokens: any id of the vocabulary

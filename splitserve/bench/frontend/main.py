@@ -36,14 +36,14 @@ import time
 from dataclasses import asdict
 
 from splitserve.bench import provenance
-from splitserve.bench.frontend_client import ClientProcess, RunSpec, Target
-from splitserve.bench.frontend_config import (DEFAULT_CONCURRENCY, DEFAULT_ISL, MODES,
+from splitserve.bench.frontend.client import ClientProcess, RunSpec, Target
+from splitserve.bench.frontend.config import (DEFAULT_CONCURRENCY, DEFAULT_ISL, MODES,
                                               MODES_LIGHT_FIRST,
                                               QUICK_CONCURRENCY, QUICK_ISL, BenchError,
                                               FrontendBenchConfig)
-from splitserve.bench.frontend_report import (evaluate_targets, format_ms, format_table,
+from splitserve.bench.frontend.report import (evaluate_targets, format_ms, format_table,
                                               format_targets, plot, summarize_run)
-from splitserve.bench.frontend_worker import BenchWorker, check_kv_backend, get_json, tiny_layout
+from splitserve.bench.frontend.worker import BenchWorker, check_kv_backend, get_json, tiny_layout
 
 SKIP_NOTE = ("the KV pull was skipped (--kv-backend none): generation_only requests decode "
              "from stale blocks, so their output is garbage; only the front-end is measured")

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import os
 
-from splitserve.bench.report_config import ReportConfig
-from splitserve.bench.report_markdown import Section, commands, num, table
-from splitserve.bench.report_steps import StepFailed, load_json, run_inprocess, run_step, tool
+from splitserve.bench.report.config import ReportConfig
+from splitserve.bench.report.markdown import Section, commands, num, table
+from splitserve.bench.report.steps import StepFailed, load_json, run_inprocess, run_step, tool
 
 FRONTEND = "4. Token relay: the GEN front-end's cost per relay mode"
 

@@ -6,8 +6,8 @@ write under --results-dir; the page cites each exact command. Every step is boun
 counts, --duration, a subprocess timeout); a step that fails is written into the page as a
 failure with its error, and the report goes on. Servers run in their own process group and
 are stopped with SIGINT (SIGKILL of the group if they hang) in a `finally`: nothing is left
-running (report_steps.py). Each section is a module of its own: report_engine.py,
-report_worker.py, report_disagg.py, report_frontend.py.
+running (steps.py). Each section is a module of its own: engine.py, worker.py, disagg.py,
+frontend.py.
 """
 
 from __future__ import annotations
@@ -17,15 +17,15 @@ import shlex
 import sys
 import time
 
-from splitserve.bench.report_config import ReportConfig
-from splitserve.bench.report_disagg import DISAGG, disagg
-from splitserve.bench.report_engine import ENGINE, engine
-from splitserve.bench.report_frontend import FRONTEND, frontend
-from splitserve.bench.report_machine import (LoadProbe, git_commit, machine, machine_line,
+from splitserve.bench.report.config import ReportConfig
+from splitserve.bench.report.disagg import DISAGG, disagg
+from splitserve.bench.report.engine import ENGINE, engine
+from splitserve.bench.report.frontend import FRONTEND, frontend
+from splitserve.bench.report.machine import (LoadProbe, git_commit, machine, machine_line,
                                               speed_probe)
-from splitserve.bench.report_markdown import Section, failed, shown
-from splitserve.bench.report_steps import StepFailed, run_inprocess, tool
-from splitserve.bench.report_worker import WORKER, worker
+from splitserve.bench.report.markdown import Section, failed, shown
+from splitserve.bench.report.steps import StepFailed, run_inprocess, tool
+from splitserve.bench.report.worker import WORKER, worker
 
 SECTIONS = ((ENGINE, engine), (WORKER, worker), (DISAGG, disagg), (FRONTEND, frontend))
 

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from splitserve import placement
-from splitserve.bench import plain_reference
+from splitserve.bench.engine import plain_reference
 from splitserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from splitserve.engine.core import EngineCore
 from splitserve.sampling_params import SamplingParams
@@ -174,6 +174,6 @@ def add_arguments(p) -> None:
     p.add_argument("--decode-prompt-len", type=int, default=64)
     p.add_argument("--plain-reference", action="store_true",
                    help="also time a plain PyTorch forward of the model's shapes (nn.Linear, "
-                        "SDPA, random weights; splitserve/bench/plain_reference.py) over the "
-                        "same prompt length: what this machine does without the engine")
+                        "SDPA, random weights; splitserve/bench/engine/plain_reference.py) over "
+                        "the same prompt length: what this machine does without the engine")
     p.add_argument("--json", default=None, help="write the results here")

@@ -10,7 +10,7 @@ Metric definitions: `splitserve bench serve --explain` (splitserve/bench/metrics
 The result is one JSON document: label, timestamp, command, versions, machine, target,
 load, workload, metrics, metrics_by_class, errors, server, requests. With several
 --concurrency levels or any --compare server, the same workload runs against every server
-at every level and the result is one comparison table (splitserve/bench/compare.py).
+at every level and the result is one comparison table (splitserve/bench/serve/compare.py).
 """
 
 from __future__ import annotations
@@ -28,9 +28,10 @@ import aiohttp
 import msgspec
 
 from splitserve.bench import metrics as M
-from splitserve.bench import provenance, workloads
-from splitserve.bench.serve_client import ServeClient, scrape_metrics, served_model
-from splitserve.bench.workloads import Budget, Load, WorkloadConfig, sessions
+from splitserve.bench import provenance
+from splitserve.bench.serve import workloads
+from splitserve.bench.serve.client import ServeClient, scrape_metrics, served_model
+from splitserve.bench.serve.workloads import Budget, Load, WorkloadConfig, sessions
 
 
 @dataclass(frozen=True)
@@ -152,7 +153,7 @@ def add_arguments(p) -> None:
                                                 "(default: its host:port)")
     p.add_argument("--compare", action="append", default=None, metavar="[NAME=]URL",
                    help="run the same workload against this server too, one table "
-                        "(repeatable; splitserve/bench/compare.py)")
+                        "(repeatable; splitserve/bench/serve/compare.py)")
     p.add_argument("--compare-name", action="append", default=None, metavar="NAME",
                    help="the name of the i-th --compare server (default: its host:port)")
     p.add_argument("--api-key", default=None, help="sent as Authorization: Bearer to every "
@@ -219,7 +220,7 @@ def run(args) -> dict:
     if args.explain:
         print(M.__doc__)
         return {}
-    from splitserve.bench import compare      # it builds on this module
+    from splitserve.bench.serve import compare      # it builds on this module
     try:
         cfg = config_from_args(args)
         servers = compare.servers_from_args(args.url, args.name, args.compare,

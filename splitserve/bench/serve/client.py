@@ -10,8 +10,8 @@ import aiohttp
 import msgspec
 
 from splitserve.bench import metrics as M
-from splitserve.bench import workloads
-from splitserve.bench.workloads import Turn
+from splitserve.bench.serve import workloads
+from splitserve.bench.serve.workloads import Turn
 from splitserve.server.metrics import parse_prometheus
 
 

@@ -8,7 +8,7 @@ import os
 import urllib.request
 
 from splitserve import envs
-from splitserve.bench.frontend_config import BenchError, FrontendBenchConfig
+from splitserve.bench.frontend.config import BenchError, FrontendBenchConfig
 from splitserve.bench.server_process import ServerProcess, free_port
 from splitserve.trust import INTERNAL_HEADER
 

@@ -7,8 +7,8 @@ import os
 
 import numpy as np
 
-from splitserve.bench.frontend_client import RunSpec
-from splitserve.bench.frontend_config import MODES, BenchError
+from splitserve.bench.frontend.client import RunSpec
+from splitserve.bench.frontend.config import MODES, BenchError
 from splitserve.bench.metrics import latency_stats, server_deltas
 from splitserve.server.metrics import parse_prometheus
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from splitserve.bench.report_machine import machine
+from splitserve.bench.report.machine import machine
 
 
 @dataclass(frozen=True)

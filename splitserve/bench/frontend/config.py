@@ -1,5 +1,5 @@
 """What `splitserve bench frontend` runs: the grid of token relay modes, prompt lengths and
-concurrencies, and the bounds of every run (frontend.py)."""
+concurrencies, and the bounds of every run (main.py)."""
 
 from __future__ import annotations
 

@@ -4,10 +4,10 @@ uses."""
 
 from __future__ import annotations
 
-from splitserve.bench.report_config import ReportConfig
-from splitserve.bench.report_machine import BACKGROUND, LoadProbe
-from splitserve.bench.report_markdown import Section, commands, failed_cell, num, stats, table
-from splitserve.bench.report_steps import (STEP_ERRORS, Service, free_port, load_json, plot_step,
+from splitserve.bench.report.config import ReportConfig
+from splitserve.bench.report.machine import BACKGROUND, LoadProbe
+from splitserve.bench.report.markdown import Section, commands, failed_cell, num, stats, table
+from splitserve.bench.report.steps import (STEP_ERRORS, Service, free_port, load_json, plot_step,
                                            run_step, tool)
 
 WORKER = "2. One worker: latency and throughput against concurrency"

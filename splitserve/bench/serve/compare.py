@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import aiohttp
 
 from splitserve.bench import provenance
-from splitserve.bench.serve import ServeBenchConfig, benchmark
-from splitserve.bench.serve_client import served_model
+from splitserve.bench.serve.main import ServeBenchConfig, benchmark
+from splitserve.bench.serve.client import served_model
 
 # (row key, label in the table, path in a run's metrics)
 COLUMNS = (

@@ -10,7 +10,7 @@ import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from splitserve.bench.report_steps import Service
+    from splitserve.bench.report.steps import Service
 
 _TICK = os.sysconf("SC_CLK_TCK")
 BACKGROUND = ("background: how many cores other processes on this shared VM kept busy "

@@ -3,10 +3,10 @@ decode throughput per dtype against the issue's targets."""
 
 from __future__ import annotations
 
-from splitserve.bench.report_config import ReportConfig
-from splitserve.bench.report_machine import BACKGROUND, LoadProbe, machine, machine_line
-from splitserve.bench.report_markdown import Section, commands, failed_cell, num, table
-from splitserve.bench.report_steps import STEP_ERRORS, load_json, run_inprocess, run_step, tool
+from splitserve.bench.report.config import ReportConfig
+from splitserve.bench.report.machine import BACKGROUND, LoadProbe, machine, machine_line
+from splitserve.bench.report.markdown import Section, commands, failed_cell, num, table
+from splitserve.bench.report.steps import STEP_ERRORS, load_json, run_inprocess, run_step, tool
 
 TARGET_PREFILL, TARGET_DECODE8 = 1500.0, 260.0
 ENGINE = "1. Engine: prefill and decode throughput"
@@ -104,7 +104,7 @@ def _reference_note(results: dict) -> str:
         return ""
     return (f"A plain PyTorch forward of the same shapes in bfloat16 (one nn.Linear per "
             f"projection, SDPA, random weights: `--plain-reference`, "
-            f"splitserve/bench/plain_reference.py) prefilled {num(ref)} tok/s over "
+            f"splitserve/bench/engine/plain_reference.py) prefilled {num(ref)} tok/s over "
             f"{r['prefill_len']} tokens in the same run; the engine's bfloat16 prefill is "
             f"{r['prefill_tok_s'] / ref:.2f}× that. Where the targets were measured, plain "
             "PyTorch 2.13 prefilled 512 bfloat16 tokens at about 1,800 tok/s; compare the "

@@ -1,0 +1,1 @@
+"""`splitserve bench engine`: prefill and decode throughput of the engine alone (main.py)."""

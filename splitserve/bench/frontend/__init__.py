@@ -1,0 +1,1 @@
+"""`splitserve bench frontend`: the GEN front-end's cost per token relay mode (main.py)."""

@@ -1,0 +1,1 @@
+"""`splitserve bench report`: docs/benchmarks.md from real runs (main.py)."""

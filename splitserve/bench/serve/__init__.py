@@ -1,0 +1,1 @@
+"""`splitserve bench serve`: load against an OpenAI-compatible server (main.py)."""
