@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 
 
 @register("none")
-class NoTransport(KVTransport):
+class NoneTransport(KVTransport):
     def __init__(self, kv_cache, layout: str, host: str = "127.0.0.1", **_unused):
         super().__init__(kv_cache, layout)
         self.host = host
