@@ -117,6 +117,11 @@ class EngineRequest(msgspec.Struct, gc=False):
     # tokens ride after the prompt's and the request continues after them.
     num_resumed: int = 0
 
+    def __post_init__(self):
+        if (self.kind == RequestKind.GENERATION_ONLY) != (self.remote is not None):
+            raise InvalidRequestError("a generation_only request, and only one, carries the "
+                                      "context worker's KV handle", "disaggregated_params")
+
     @property
     def num_tokens(self) -> int:
         """Token ids in its frame: the prompt's (none for a placeholder), then the resumed."""
