@@ -7,9 +7,8 @@ from dataclasses import dataclass, field
 
 from splitserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from splitserve.engine.core import EngineCore
-from splitserve.engine.request import FinishReason
 from splitserve.errors import InvalidRequestError
-from splitserve.protocol.engine import CompletionDelta, Logprob
+from splitserve.protocol.engine import CompletionDelta, EngineRequest, FinishReason, Logprob
 from splitserve.sampling_params import SamplingParams
 from splitserve.tokens import PromptTokens
 
@@ -98,7 +97,7 @@ class LLM:
         elif not isinstance(prompt, PromptTokens):
             prompt = PromptTokens.from_list(prompt)
         request_id = str(next(self._ids))
-        self.engine.add_request(request_id, prompt, params)
+        self.engine.add_request(EngineRequest(request_id, params, len(prompt)), prompt)
         return RequestOutput(request_id, text, prompt, [CompletionOutput(i) for i in range(params.n)])
 
     def _run(self, results: list[RequestOutput]) -> list[RequestOutput]:

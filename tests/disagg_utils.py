@@ -12,6 +12,7 @@ from splitserve.engine.prompt_digest import prompt_digest
 from splitserve.engine.request import FinishReason
 from splitserve.sampling_params import SamplingParams
 from splitserve.tokens import PromptTokens
+from engine_requests import add_request
 
 PROMPT = PromptTokens(np.random.default_rng(0).integers(3, 49152, 23).astype(np.int32))
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -68,7 +69,7 @@ def tokens(deltas):
 
 
 def handoff(ctx, rid, prompt=PROMPT, params=GREEDY):
-    ctx.add_request(rid, prompt, params, context_only=True)
+    add_request(ctx, rid, prompt, params, context_only=True)
     (delta,) = drain(ctx)
     assert delta.finish_reason == FinishReason.HANDOFF and delta.kv_handle is not None
     return delta

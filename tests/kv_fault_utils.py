@@ -20,6 +20,7 @@ from splitserve.kv.messages import MAX_REQUEST_BYTES, PullAck, PullRequest
 from splitserve.protocol.engine import KVHandle, Logprob, RemotePrefill
 
 from disagg_utils import GREEDY, PROMPT, drain, tokens
+from engine_requests import add_request
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -76,13 +77,13 @@ def ended_in_error(delta, *words):
 
 def greedy_reference(ctx):
     """PROMPT's greedy tokens, generated whole by one engine."""
-    ctx.add_request("ref", PROMPT, GREEDY)
+    add_request(ctx, "ref", PROMPT, GREEDY)
     return tokens(drain(ctx))
 
 
 def pull_with(gen, rid, delta):
     """Decodes PROMPT on gen from the KV a handoff delta leased; returns its tokens."""
-    gen.add_request(rid, PROMPT, GREEDY, remote=RemotePrefill(delta.kv_handle, delta.token_ids,
+    add_request(gen, rid, PROMPT, GREEDY, remote=RemotePrefill(delta.kv_handle, delta.token_ids,
                                                               delta.logprobs))
     return tokens(drain(gen))
 

@@ -16,6 +16,7 @@ from splitserve.sampling_params import SamplingParams
 from splitserve.tokens import PromptTokens
 
 from disagg_utils import GREEDY, PROMPT, drain, engine, handoff, tokens, wait_for_release
+from engine_requests import add_request
 
 PARAM = "disaggregated_params.prompt_token_ids"
 
@@ -74,16 +75,16 @@ def test_a_forged_prompt_is_refused_and_nothing_is_pulled_or_cached(pair, forged
     cached = dict(bm.cached)   # earlier cases cached the genuine prompt's blocks
     forged = with_token(PROMPT, forged_at, (int(PROMPT.array[forged_at]) + 7) % 1000 + 3)
     with pytest.raises(InvalidRequestError) as err:
-        gen.add_request("g", forged, GREEDY, remote=RemotePrefill(first.kv_handle, first.token_ids))
+        add_request(gen, "g", forged, GREEDY, remote=RemotePrefill(first.kv_handle, first.token_ids))
     assert err.value.param == PARAM and "does not match the prompt" in err.value.message
     gen.step()
     assert bm.cached == cached and bm.num_free_blocks == bm.num_blocks and not gen.groups
     ctx.step()
     assert ctx.remote_kv.num_leased_blocks == leased   # nothing pulled, nothing acked
     # The genuine prompt still gets its lease, and decodes as the aggregated reference.
-    gen.add_request("real", PROMPT, GREEDY, remote=RemotePrefill(first.kv_handle, first.token_ids))
+    add_request(gen, "real", PROMPT, GREEDY, remote=RemotePrefill(first.kv_handle, first.token_ids))
     got = tokens(drain(gen))
-    ctx.add_request("agg", PROMPT, GREEDY)
+    add_request(ctx, "agg", PROMPT, GREEDY)
     assert got == tokens(drain(ctx))
     wait_for_release(ctx)
     assert ctx.remote_kv.num_leased_blocks == 0
@@ -96,11 +97,11 @@ def test_a_relayed_prompt_needs_a_digest(pair):
     first = handoff(ctx, "c-nodigest")
     bare = msgspec.structs.replace(first.kv_handle, prompt_digest="")
     with pytest.raises(InvalidRequestError) as err:
-        gen.add_request("g", PROMPT, GREEDY, remote=RemotePrefill(bare, first.token_ids))
+        add_request(gen, "g", PROMPT, GREEDY, remote=RemotePrefill(bare, first.token_ids))
     assert err.value.param == PARAM
     # Length only: no tokens to check, nothing cached, as before.
     cached = dict(gen.block_manager.cached)
-    gen.add_request("g", PromptTokens.placeholder(len(PROMPT)), GREEDY,
+    add_request(gen, "g", PromptTokens.placeholder(len(PROMPT)), GREEDY,
                     remote=RemotePrefill(bare, first.token_ids))
     out = drain(gen)
     assert out[-1].finish_reason == FinishReason.LENGTH and gen.block_manager.cached == cached
@@ -117,17 +118,17 @@ def test_a_verified_prompt_is_cached_and_a_later_user_gets_the_same_text(pair):
     shares = PromptTokens(np.concatenate([p2.array[:16], p1.array[:9]]))
     want = {}
     for name, p in (("p2", p2), ("shares", shares)):
-        ctx.add_request(f"ref-{name}", p, GREEDY)
+        add_request(ctx, f"ref-{name}", p, GREEDY)
         want[name] = tokens(drain(ctx))
     f1 = handoff(ctx, "c-p1", p1)
     with pytest.raises(InvalidRequestError):
-        gen.add_request("poison", p2, GREEDY, remote=RemotePrefill(f1.kv_handle, f1.token_ids))
+        add_request(gen, "poison", p2, GREEDY, remote=RemotePrefill(f1.kv_handle, f1.token_ids))
     assert not set(chain_hashes(b"", p2.array, 4)) & set(gen.block_manager.cached)
     f2 = handoff(ctx, "c-p2", p2)
-    gen.add_request("p2", p2, GREEDY, remote=RemotePrefill(f2.kv_handle, f2.token_ids))
+    add_request(gen, "p2", p2, GREEDY, remote=RemotePrefill(f2.kv_handle, f2.token_ids))
     assert tokens(drain(gen)) == want["p2"]
     assert len(gen.block_manager.cached) >= len(p2) // 4
-    gen.add_request("shares", shares, GREEDY)
+    add_request(gen, "shares", shares, GREEDY)
     out = drain(gen)
     assert tokens(out) == want["shares"] and out[0].num_cached_tokens == 16
     wait_for_release(ctx)

@@ -17,6 +17,7 @@ from splitserve.tokens import PromptTokens
 
 from disagg_utils import (BACKENDS, GREEDY, PROMPT, digest, drain, engine, handoff,
                           require_backend, tokens, wait_for_release)
+from engine_requests import add_request
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
@@ -35,12 +36,12 @@ def pair(tiny_source, backend):
 
 def test_disaggregated_greedy_equals_aggregated_and_frees_the_lease(pair, backend):
     ctx, gen = pair
-    ctx.add_request("agg", PROMPT, GREEDY)
+    add_request(ctx, "agg", PROMPT, GREEDY)
     want = tokens(drain(ctx))
     first = handoff(ctx, "c1")
     assert first.token_ids == want[:1] and first.kv_handle.backend == backend
     assert ctx.remote_kv.num_leased_blocks == 6       # 23 tokens in blocks of 4
-    gen.add_request("g1", PROMPT, GREEDY,
+    add_request(gen, "g1", PROMPT, GREEDY,
                     remote=RemotePrefill(first.kv_handle, first.token_ids, first.logprobs))
     out = drain(gen)
     assert tokens(out) == want and out[-1].finish_reason == FinishReason.LENGTH
@@ -56,7 +57,7 @@ def test_pulled_kv_is_byte_identical(pair):
     first = handoff(ctx, "c2")
     ctx_blocks = list(ctx.remote_kv.leases.leases["c2"].block_ids)
     ctx_kv = ctx.runner.kv_cache[ctx_blocks].clone()
-    gen.add_request("g2", PROMPT, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+    add_request(gen, "g2", PROMPT, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
                     remote=RemotePrefill(first.kv_handle, first.token_ids))
     drain(gen, until=lambda d: len(d) >= 2)
     req = gen.groups["g2"][0]
@@ -74,15 +75,15 @@ def test_unknown_ctx_request_and_layout_mismatch(pair, backend):
     forged = KVHandle(backend=backend, endpoint=ctx.remote_kv.endpoint, ctx_request_id="nope",
                       layout=gen.remote_kv.layout, num_tokens=len(PROMPT),
                       prompt_digest=digest())
-    gen.add_request("g3", PROMPT, GREEDY, remote=RemotePrefill(forged, [5]))
+    add_request(gen, "g3", PROMPT, GREEDY, remote=RemotePrefill(forged, [5]))
     (delta,) = drain(gen)
     assert delta.finish_reason == FinishReason.ERROR and "unknown or expired" in delta.error
     bad_layout = KVHandle(backend=backend, endpoint=ctx.remote_kv.endpoint, ctx_request_id="x",
                           layout="other-model|float32", num_tokens=len(PROMPT))
     with pytest.raises(InvalidRequestError, match="layout mismatch"):
-        gen.add_request("g4", PROMPT, GREEDY, remote=RemotePrefill(bad_layout, [5]))
+        add_request(gen, "g4", PROMPT, GREEDY, remote=RemotePrefill(bad_layout, [5]))
     with pytest.raises(InvalidRequestError) as err:
-        gen.add_request("g5", PromptTokens(PROMPT.array[:10]), GREEDY,
+        add_request(gen, "g5", PromptTokens(PROMPT.array[:10]), GREEDY,
                         remote=RemotePrefill(forged, [5]))
     assert err.value.param == "disaggregated_params.prompt_len"
     assert gen.block_manager.num_free_blocks == gen.block_manager.num_blocks
@@ -94,7 +95,7 @@ def test_unreachable_context_worker_fails_its_request_cleanly(tiny_source, backe
         dead = KVHandle(backend=backend, endpoint="tcp://127.0.0.1:9", ctx_request_id="c",
                         layout=gen.remote_kv.layout, num_tokens=len(PROMPT),
                         prompt_digest=digest())
-        gen.add_request("g", PROMPT, GREEDY, remote=RemotePrefill(dead, [5]))
+        add_request(gen, "g", PROMPT, GREEDY, remote=RemotePrefill(dead, [5]))
         (delta,) = drain(gen)
         assert delta.finish_reason == FinishReason.ERROR and "could not connect" in delta.error
         assert gen.block_manager.num_free_blocks == gen.block_manager.num_blocks
@@ -117,7 +118,7 @@ def test_lease_expires_when_no_generation_worker_comes(tiny_source):
 
 def test_context_only_that_finishes_early_leases_nothing(pair):
     ctx, _ = pair
-    ctx.add_request("c6", PROMPT, SamplingParams(temperature=0, max_tokens=1), context_only=True)
+    add_request(ctx, "c6", PROMPT, SamplingParams(temperature=0, max_tokens=1), context_only=True)
     (delta,) = drain(ctx)
     assert delta.finish_reason == FinishReason.LENGTH and delta.kv_handle is None
     assert ctx.remote_kv.num_leased_blocks == 0
@@ -125,10 +126,10 @@ def test_context_only_that_finishes_early_leases_nothing(pair):
 
 def test_length_only_prompt_decodes_identically(pair):
     ctx, gen = pair
-    ctx.add_request("agg-p", PROMPT, GREEDY)
+    add_request(ctx, "agg-p", PROMPT, GREEDY)
     want = tokens(drain(ctx))
     first = handoff(ctx, "c7")
-    gen.add_request("g7", PromptTokens.placeholder(len(PROMPT)), GREEDY,
+    add_request(gen, "g7", PromptTokens.placeholder(len(PROMPT)), GREEDY,
                     remote=RemotePrefill(first.kv_handle, first.token_ids))
     assert tokens(drain(gen)) == want
     ctx.step()
@@ -141,9 +142,9 @@ def test_length_only_prompt_refuses_features_that_read_it(pair):
     for params, param in [(SamplingParams(repetition_penalty=1.2), "repetition_penalty"),
                           (SamplingParams(prompt_logprobs=1), "prompt_logprobs")]:
         with pytest.raises(InvalidRequestError) as err:
-            gen.add_request("g8", PromptTokens.placeholder(len(PROMPT)), params, remote=remote)
+            add_request(gen, "g8", PromptTokens.placeholder(len(PROMPT)), params, remote=remote)
         assert err.value.param == param
-    gen.add_request("g8", PromptTokens.placeholder(len(PROMPT)), GREEDY, remote=remote)
+    add_request(gen, "g8", PromptTokens.placeholder(len(PROMPT)), GREEDY, remote=remote)
     drain(gen)
     ctx.step()
 
@@ -158,13 +159,13 @@ def test_length_only_requests_are_never_preempted(tiny_source):
     gen = EngineCore(cfg, tiny_source)
     try:
         long = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-        ctx.add_request("ref", PROMPT, long)
+        add_request(ctx, "ref", PROMPT, long)
         want = tokens(drain(ctx))
         firsts = [handoff(ctx, f"c{i}", params=long) for i in range(2)]
         for i, f in enumerate(firsts):
-            gen.add_request(f"g{i}", PromptTokens.placeholder(len(PROMPT)), long,
+            add_request(gen, f"g{i}", PromptTokens.placeholder(len(PROMPT)), long,
                             remote=RemotePrefill(f.kv_handle, f.token_ids))
-        gen.add_request("local", PROMPT, long)
+        add_request(gen, "local", PROMPT, long)
         preempted = []
         orig = gen.scheduler._preempt
         gen.scheduler._preempt = lambda r: (preempted.append(r.request_id), orig(r))
@@ -191,15 +192,15 @@ def test_kv_pulls_start_while_decodes_use_the_whole_token_budget(tiny_source):
                                   cache=CacheConfig(4, 256), scheduler=SchedulerConfig(4, 8)),
                      tiny_source)
     try:
-        ctx.add_request("ref", PROMPT, GREEDY)
+        add_request(ctx, "ref", PROMPT, GREEDY)
         want = tokens(drain(ctx))
         first = handoff(ctx, "c1")
         busy = SamplingParams(max_tokens=60, ignore_eos=True)
         for i in range(4):   # one-token prompts: 4 decodes fill a budget of 4
-            gen.add_request(f"local{i}", PromptTokens(np.array([7 + i], np.int32)), busy)
+            add_request(gen, f"local{i}", PromptTokens(np.array([7 + i], np.int32)), busy)
         for _ in range(3):
             gen.step()
-        gen.add_request("g", PROMPT, GREEDY,
+        add_request(gen, "g", PROMPT, GREEDY,
                         remote=RemotePrefill(first.kv_handle, first.token_ids, first.logprobs))
         out = gen.step()
         assert not gen.scheduler.waiting                # pulled, though no budget was left

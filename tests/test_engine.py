@@ -16,6 +16,7 @@ from splitserve.sampling_params import SamplingParams
 from splitserve.tokens import PromptTokens
 
 from reference_model import ReferenceModel
+from engine_requests import add_request
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +58,7 @@ def run(engine, items, params):
     params = params if isinstance(params, list) else [params] * len(items)
     results = {}
     for i, (toks, p) in enumerate(zip(items, params)):
-        engine.add_request(f"r{i}", PromptTokens(toks), p)
+        add_request(engine, f"r{i}", PromptTokens(toks), p)
         results[f"r{i}"] = RequestOutput(f"r{i}", None, PromptTokens(toks),
                                          [CompletionOutput(j) for j in range(p.n)])
     steps = 0
@@ -203,7 +204,7 @@ def test_frequency_penalty_reduces_repetition(make_engine):
 
 def test_abort_frees_blocks(make_engine):
     engine = make_engine()
-    engine.add_request("a", PromptTokens(prompts([30])[0]), SamplingParams(max_tokens=100, ignore_eos=True))
+    add_request(engine, "a", PromptTokens(prompts([30])[0]), SamplingParams(max_tokens=100, ignore_eos=True))
     engine.step()
     engine.step()
     assert engine.block_manager.num_used_blocks > 0
@@ -224,7 +225,7 @@ def test_bad_requests_are_rejected_with_the_parameter_named(make_engine, prompt,
     engine = make_engine(max_model_len=1024)
     with pytest.raises(InvalidRequestError) as err:
         tokens = PromptTokens.placeholder(6) if prompt is None else PromptTokens.from_list(prompt)
-        engine.add_request("x", tokens, params)
+        add_request(engine, "x", tokens, params)
     assert err.value.param == param
     assert run(engine, prompts([4]), GREEDY)[0].outputs[0].finish_reason == "length"
 
@@ -238,7 +239,7 @@ def test_failed_request_ends_with_error_and_engine_keeps_serving(make_engine):
         raise RuntimeError("injected fault")
 
     engine.runner.execute = fail_once
-    engine.add_request("bad", PromptTokens(prompts([8])[0]), GREEDY)
+    add_request(engine, "bad", PromptTokens(prompts([8])[0]), GREEDY)
     deltas = engine.step()
     assert deltas[0].finish_reason == FinishReason.ERROR and "running the model" in deltas[0].error
     assert "injected fault" not in deltas[0].error   # the client sees no internal exception
@@ -251,7 +252,7 @@ def test_admission_is_when_the_engine_received_it_and_waiting_for_a_step_is_queu
     end) reports admit_time = the receipt and a queue time that includes those 0.25 s."""
     engine = make_engine()
     received = time.time() - 0.25
-    engine.add_request("a", PromptTokens(prompts([8])[0]), SamplingParams(max_tokens=2),
+    add_request(engine, "a", PromptTokens(prompts([8])[0]), SamplingParams(max_tokens=2),
                        received_time=received)
     first = next(d for _ in range(4) for d in engine.step() if d.token_ids)
     assert first.admit_time == received
@@ -276,8 +277,8 @@ def test_a_response_sent_whole_gets_one_delta_per_sequence_equal_to_the_stream(m
     items = prompts([7, 13], seed=11)
     streamed, whole = make_engine(), make_engine()
     for i, toks in enumerate(items):
-        streamed.add_request(f"r{i}", PromptTokens(toks), params)
-        whole.add_request(f"r{i}", PromptTokens(toks), params, stream=False)
+        add_request(streamed, f"r{i}", PromptTokens(toks), params)
+        add_request(whole, f"r{i}", PromptTokens(toks), params, stream=False)
     a, b = _all_deltas(streamed), _all_deltas(whole)
     assert len(a) > len(b) or params.max_tokens == 1
     assert sorted((d.request_id, d.index) for d in b) == sorted(
@@ -298,10 +299,10 @@ def test_a_response_sent_whole_gets_one_delta_per_sequence_equal_to_the_stream(m
 
 def test_an_aborted_response_sent_whole_returns_what_it_generated(make_engine):
     engine = make_engine()
-    engine.add_request("a", PromptTokens(prompts([9])[0]),
+    add_request(engine, "a", PromptTokens(prompts([9])[0]),
                        SamplingParams(temperature=0, max_tokens=100, ignore_eos=True), stream=False)
     assert engine.step() == [] and engine.step() == [] and engine.step() == []
     engine.abort_request("a")
     (d,) = engine.step()
     assert d.finish_reason == FinishReason.ABORT and len(d.token_ids) == 3 and d.first_token_time > 0
-    assert not engine.final_only
+    assert not engine.output.final_only

@@ -5,7 +5,7 @@ import asyncio
 
 import pytest
 
-from splitserve.protocol.engine import CompletionDelta
+from splitserve.protocol.engine import CompletionDelta, EngineRequest
 from splitserve.server.engine_client import DeltaQueue
 
 
@@ -48,7 +48,7 @@ def test_one_frame_carries_a_batch_and_a_bad_batch_fails_its_requests_not_the_en
     import numpy as np
 
     from splitserve.config import EngineConfig
-    from splitserve.protocol.engine import AddRequest, AddRequests, pack_input
+    from splitserve.protocol.engine import AddRequests, pack_input
     from splitserve.sampling_params import SamplingParams
     from splitserve.server.engine_client import EngineClient
     from splitserve.tokens import PromptTokens
@@ -56,7 +56,7 @@ def test_one_frame_carries_a_batch_and_a_bad_batch_fails_its_requests_not_the_en
     params = SamplingParams(max_tokens=1, temperature=0.0)
 
     async def collect(client, rid, prompt):
-        return [d async for d in client.generate(rid, prompt, params, stream=False)]
+        return [d async for d in client.generate(EngineRequest(rid, params, len(prompt), stream=False), prompt)]
 
     async def main():
         client = EngineClient(EngineConfig(model="tiny-random", dtype="float32", num_threads=1))
@@ -68,7 +68,7 @@ def test_one_frame_carries_a_batch_and_a_bad_batch_fails_its_requests_not_the_en
             # Two requests declaring 4 and 2 tokens with the bytes of 5: the batch is wrong.
             q1, q2 = DeltaQueue(eager=False), DeltaQueue(eager=False)
             client.queues.update({"bad-1": q1, "bad-2": q2})
-            reqs = [AddRequest(rid, params, n, False) for rid, n in (("bad-1", 4), ("bad-2", 2))]
+            reqs = [EngineRequest(rid, params, n, False) for rid, n in (("bad-1", 4), ("bad-2", 2))]
             client.engine.in_sock.send(pack_input(client._encoder.encode(AddRequests(reqs)),
                                            [np.arange(5, dtype=np.int32).tobytes()]))
             bad = [await asyncio.wait_for(q.get(), 60) for q in (q1, q2)]
@@ -88,12 +88,12 @@ def test_one_frame_carries_a_batch_and_a_bad_batch_fails_its_requests_not_the_en
 def test_pack_input_splits_back_into_each_requests_prompt():
     import numpy as np
 
-    from splitserve.protocol.engine import AddRequest, pack_input, split_prompts, unpack_input
+    from splitserve.protocol.engine import pack_input, split_prompts, unpack_input
     from splitserve.sampling_params import SamplingParams
 
     p = SamplingParams()
-    reqs = [AddRequest("a", p, 3, False), AddRequest("b", p, 1000, True),
-            AddRequest("c", p, 2, False)]
+    reqs = [EngineRequest("a", p, 3, False), EngineRequest("b", p, 1000, True),
+            EngineRequest("c", p, 2, False)]
     a, c = np.array([1, 2, 3], "<i4"), np.array([7, -1], "<i4")
     frame = pack_input(b"HEADER", [a.data.cast("B"), b"", c.tobytes()])
     header, body = unpack_input(memoryview(frame))
@@ -102,7 +102,7 @@ def test_pack_input_splits_back_into_each_requests_prompt():
     assert [np.frombuffer(g, "<i4").tolist() for g in got] == [[1, 2, 3], [], [7, -1]]
     assert split_prompts(reqs, body[:-4]) == [None] * 3            # bytes missing
     assert split_prompts(reqs[:1], body) == [None]                 # bytes left over
-    assert split_prompts([AddRequest("n", p, -2, False)], body[:0]) == [None]
+    assert split_prompts([EngineRequest("n", p, -2, False)], body[:0]) == [None]
 
 
 def _client(**kwargs):
@@ -141,7 +141,7 @@ def test_a_killed_engine_fails_what_it_held_and_restarts_backing_off(caplog):
     async def run(client, rid, params, stream):
         got = []
         try:
-            async for d in client.generate(rid, prompt, params, stream=stream):
+            async for d in client.generate(EngineRequest(rid, params, len(prompt), stream=stream), prompt):
                 got.append(d)
         except EngineDeadError as exc:
             return got, str(exc)
@@ -158,7 +158,7 @@ def test_a_killed_engine_fails_what_it_held_and_restarts_backing_off(caplog):
             results = await asyncio.gather(streaming, whole)
             refused = client.health()
             with pytest.raises(EngineDeadError, match="restarting"):
-                [d async for d in client.generate("early", prompt, long)]
+                [d async for d in client.generate(EngineRequest("early", long, len(prompt)), prompt)]
             await _until(lambda: client.health() is None)
             after = await run(client, "after", SamplingParams(max_tokens=2), False)
             good = client.config

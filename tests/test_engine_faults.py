@@ -20,12 +20,13 @@ from splitserve.engine.core import EngineCore
 from splitserve.engine.request import FinishReason
 from splitserve.errors import InvalidRequestError
 from splitserve.protocol.engine import (
-    AbortRequests, AddRequest, AddRequests, CompletionDelta, EngineOutput, EngineOutputs,
+    AbortRequests, EngineRequest, AddRequests, CompletionDelta, EngineOutput, EngineOutputs,
     EngineStats, pack_input)
 from splitserve.sampling_params import SamplingParams
 from splitserve.tokens import PromptTokens
 
 from server_utils import Worker, alive, engine_pid, get, post
+from engine_requests import add_request
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
@@ -62,7 +63,7 @@ def tokens(deltas: list[CompletionDelta]) -> list[int]:
 
 
 def clean_run(engine, params=GREEDY) -> list[int]:
-    engine.add_request("ref", prompt(1), params)
+    add_request(engine, "ref", prompt(1), params)
     return tokens(drain(engine)[("ref", 0)])
 
 
@@ -94,15 +95,15 @@ def assert_only_bad_failed(got, want_tokens, what: str):
     ("block_manager", "allocate", "scheduling"),
     ("block_manager", "find_cached_prefix", "scheduling"),
     ("block_manager", "cache_full_blocks", "caching its KV blocks"),
-    ("engine", "_detokenizer", "detokenizing"),
+    ("output", "detokenizer", "detokenizing"),
 ])
 def test_a_fault_handling_one_request_ends_only_that_request(engine, monkeypatch, where, name,
                                                              what):
     want = clean_run(engine)
     inject(monkeypatch, engine if where == "engine" else getattr(engine, where), name,
            bad_request)
-    engine.add_request("bad", prompt(2), GREEDY)
-    engine.add_request("good", prompt(1), GREEDY)
+    add_request(engine, "bad", prompt(2), GREEDY)
+    add_request(engine, "good", prompt(1), GREEDY)
     assert_only_bad_failed(drain(engine), want, what)
     monkeypatch.undo()
     assert clean_run(engine) == want
@@ -113,15 +114,15 @@ def test_a_sampling_fault_is_isolated_by_sampling_each_request_alone(engine, mon
     calls = []
     inject(monkeypatch, engine, "sampler",
            lambda logits, reqs: calls.append(len(reqs)) or any(r.group_id == "bad" for r in reqs))
-    engine.add_request("bad", prompt(2), GREEDY)
-    engine.add_request("good", prompt(1), GREEDY)
+    add_request(engine, "bad", prompt(2), GREEDY)
+    add_request(engine, "good", prompt(1), GREEDY)
     assert_only_bad_failed(drain(engine), want, "sampling")
     assert calls[:3] == [2, 1, 1]   # the batch, then each alone
 
 
 def test_a_failing_sibling_fork_ends_that_sibling_only(engine, monkeypatch):
-    inject(monkeypatch, engine, "_fork", lambda leader, sib: sib.index == 1)
-    engine.add_request("bad", prompt(2), SamplingParams(n=3, temperature=0, max_tokens=4))
+    inject(monkeypatch, engine.output, "fork", lambda leader, sib: sib.index == 1)
+    add_request(engine, "bad", prompt(2), SamplingParams(n=3, temperature=0, max_tokens=4))
     got = drain(engine)
     assert got[("bad", 1)][-1].finish_reason == FinishReason.ERROR
     assert "forking" in got[("bad", 1)][-1].error
@@ -135,13 +136,13 @@ def test_a_request_that_cannot_even_be_ended_is_dropped(engine, monkeypatch):
         def step(self, ids):
             raise RuntimeError("injected fault")
         flush = step
-    real = engine._detokenizer
-    monkeypatch.setattr(engine, "_detokenizer",
+    real = engine.output.detokenizer
+    monkeypatch.setattr(engine.output, "detokenizer",
                         lambda req: Broken() if req.group_id == "bad" else real(req))
-    monkeypatch.setattr(engine, "final_only", engine.final_only)
+    monkeypatch.setattr(engine.output, "final_only", engine.output.final_only)
     want = clean_run(engine)
-    engine.add_request("bad", prompt(2), GREEDY, stream=False)
-    engine.add_request("good", prompt(1), GREEDY)
+    add_request(engine, "bad", prompt(2), GREEDY, stream=False)
+    add_request(engine, "good", prompt(1), GREEDY)
     assert_only_bad_failed(drain(engine), want, "detokenizing")
 
 
@@ -149,8 +150,8 @@ def test_no_exception_escapes_step(engine, monkeypatch):
     """A fault no one request can be blamed for ends the requests in flight; the next
     request is served as usual."""
     want = clean_run(engine)
-    engine.add_request("a", prompt(2), GREEDY)
-    engine.add_request("b", prompt(3), GREEDY)
+    add_request(engine, "a", prompt(2), GREEDY)
+    add_request(engine, "b", prompt(3), GREEDY)
     engine.step()
     inject(monkeypatch, engine.remote_kv, "release_ended_leases", lambda: True)
     deltas = engine.step()
@@ -162,7 +163,7 @@ def test_no_exception_escapes_step(engine, monkeypatch):
 
 def test_seeds_at_the_ends_of_int64_serve_n_siblings(engine):
     for seed in (2**63 - 1, -2**63):
-        engine.add_request("s", prompt(2), SamplingParams(n=3, seed=seed, max_tokens=3))
+        add_request(engine, "s", prompt(2), SamplingParams(n=3, seed=seed, max_tokens=3))
         got = drain(engine)
         assert all(got[("s", i)][-1].finish_reason == FinishReason.LENGTH for i in range(3))
     for seed in (2**63, 2**64 - 1, -2**63 - 1):
@@ -175,9 +176,9 @@ def test_the_input_handler_answers_a_request_it_cannot_admit(engine):
     """Whatever add_request raises for one request (here: params that are no
     SamplingParams) becomes that request's error; the step loop goes on."""
     deltas: list[CompletionDelta] = []
-    bad = AddRequest("bad", None, 9)
+    bad = EngineRequest("bad", None, 9)
     process._handle(engine, (bad, memoryview(prompt(2).array).cast("B"), time.time()), deltas)
-    process._handle(engine, (AddRequest("good", GREEDY, 9),
+    process._handle(engine, (EngineRequest("good", GREEDY, 9),
                              memoryview(prompt(1).array).cast("B"), time.time()), deltas)
     assert [(d.request_id, d.index, d.finish_reason) for d in deltas] == [
         ("bad", -1, FinishReason.ERROR)]
@@ -233,7 +234,7 @@ def test_an_input_that_fails_to_decode_answers_each_request_it_names(zmq_pair, e
     push.bind(addr)
     in_q = queue.Queue()
     threading.Thread(target=process._recv_loop, args=(ctx, addr, in_q), daemon=True).start()
-    good = AddRequest("good", GREEDY, 9)
+    good = EngineRequest("good", GREEDY, 9)
     garbled = {"request_id": "bad", "params": {"temperature": "hot"}, "prompt_len": 2}
     refused = {"request_id": "refused", "params": {"seed": 2**64 - 1}, "prompt_len": 1}
     header = msgspec.msgpack.encode({"type": "add", "requests": [
@@ -250,7 +251,7 @@ def test_an_input_that_fails_to_decode_answers_each_request_it_names(zmq_pair, e
     got = drain(engine)   # the request that decoded alone is served
     assert got[("good", 0)][-1].finish_reason == FinishReason.LENGTH
     assert tokens(got[("good", 0)]) == clean_run(engine)
-    push.send(pack_input(msgspec.msgpack.encode(AddRequests([AddRequest("next", GREEDY, 9)])),
+    push.send(pack_input(msgspec.msgpack.encode(AddRequests([EngineRequest("next", GREEDY, 9)])),
                          [prompt(1).array.tobytes()]))
     assert in_q.get(timeout=30)[0].request_id == "next"   # the thread still reads
 

@@ -10,6 +10,7 @@ from splitserve.engine.request import FinishReason
 from splitserve.errors import InvalidRequestError
 from splitserve.sampling_params import SamplingParams
 from splitserve.tokens import PromptTokens
+from engine_requests import add_request
 
 PROMPT = np.arange(100, 137, dtype=np.int32)
 
@@ -26,7 +27,7 @@ def engine(tiny_source):
 
 def drain(engine, rid, prompt, params, resumed=None):
     """(tokens, text streamed with each token, first delta with tokens, finish reason)."""
-    engine.add_request(rid, PromptTokens(prompt), params, resumed=resumed)
+    add_request(engine, rid, PromptTokens(prompt), params, resumed=resumed)
     tokens, texts, first, reason = [], [], None, None
     while engine.has_unfinished_requests():
         for d in engine.step():
@@ -76,6 +77,6 @@ def test_text_held_back_for_a_stop_string_is_not_lost_across_the_cut(engine):
 def test_resumed_tokens_are_checked(engine, resumed, message):
     params = SamplingParams(temperature=0, max_tokens=16)
     with pytest.raises(InvalidRequestError, match=message) as info:
-        engine.add_request("x", PromptTokens(PROMPT), params, resumed=np.asarray(resumed, np.int32))
+        add_request(engine, "x", PromptTokens(PROMPT), params, resumed=np.asarray(resumed, np.int32))
     assert info.value.param == "disaggregated_params.resume_token_ids"
     assert not engine.has_unfinished_requests()

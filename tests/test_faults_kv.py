@@ -28,6 +28,7 @@ from disagg_utils import (BACKENDS, GREEDY, PROMPT, digest, drain, engine, hando
 from kv_fault_utils import (CtxProcess, FakeCtx, assert_healthy, closed_port, connections_to,
                             ended_in_error, oversized_message_is_refused, outcome, port_of,
                             wait_for)
+from engine_requests import add_request
 
 NUM_BLOCKS = 6   # PROMPT's 23 tokens in blocks of 4
 
@@ -57,7 +58,7 @@ def pairs(tiny_source):
 @pytest.fixture(scope="module")
 def want(pairs):
     ctx, _ = pairs("tcp")
-    ctx.add_request("ref", PROMPT, GREEDY)
+    add_request(ctx, "ref", PROMPT, GREEDY)
     return tokens(drain(ctx))
 
 
@@ -80,7 +81,7 @@ def forged(gen, endpoint, rid):
 
 
 def pull(gen, rid, handle, first_tokens, logprobs=None):
-    gen.add_request(rid, PROMPT, GREEDY, remote=RemotePrefill(handle, first_tokens, logprobs))
+    add_request(gen, rid, PROMPT, GREEDY, remote=RemotePrefill(handle, first_tokens, logprobs))
 
 
 def pull_handoff(gen, rid, delta):

@@ -20,6 +20,7 @@ from splitserve.protocol.engine import RemotePrefill
 from disagg_utils import GREEDY, PROMPT, engine, handoff, wait_for_release
 from kv_fault_utils import (assert_healthy, close_engines, connections_to, greedy_reference,
                             pull_with)
+from engine_requests import add_request
 
 NUM_BLOCKS = 6   # PROMPT's 23 tokens in blocks of 4
 
@@ -141,7 +142,7 @@ def listener():
 
 def assert_refused_endpoint(gen, handle, first_tokens):
     with pytest.raises(InvalidRequestError) as err:
-        gen.add_request("outside", PROMPT, GREEDY, remote=RemotePrefill(handle, first_tokens))
+        add_request(gen, "outside", PROMPT, GREEDY, remote=RemotePrefill(handle, first_tokens))
     assert err.value.param == "disaggregated_params.kv_handle"
     assert "--kv-peers" in str(err.value)
     host, port = handle.endpoint.removeprefix("tcp://").rsplit(":", 1)

@@ -20,6 +20,7 @@ from disagg_utils import (BACKENDS, GREEDY, PROMPT, drain, engine, handoff, requ
                           wait_for_release)
 from kv_fault_utils import (assert_healthy, close_engines, ended_in_error, greedy_reference,
                             pull_with)
+from engine_requests import add_request
 
 SECRET = "the cluster's internal secret"
 NUM_BLOCKS = 6
@@ -106,7 +107,7 @@ def test_a_gen_without_the_secret_fails_its_pull_at_once(tiny_source, pair, want
     try:
         delta = handoff(ctx, f"outsider-{gen_secret}")
         before = outsider.runner.kv_cache.clone()
-        outsider.add_request("o", PROMPT, GREEDY, remote=RemotePrefill(delta.kv_handle,
+        add_request(outsider, "o", PROMPT, GREEDY, remote=RemotePrefill(delta.kv_handle,
                                                                        delta.token_ids))
         (final,) = drain(outsider, timeout=30)
         assert ended_in_error(final, "refused the handshake"), final.error

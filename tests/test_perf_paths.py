@@ -21,6 +21,7 @@ from splitserve.model.packed import PackedLinear, packing_supported
 from splitserve.model.quant import QUANTIZATIONS, quantization_supported
 from splitserve.sampling_params import SamplingParams
 from splitserve.tokens import PromptTokens
+from engine_requests import add_request
 
 QUANTS = [pytest.param(q, marks=pytest.mark.skipif(not quantization_supported(q),
                                                    reason="no FBGEMM in this torch"))
@@ -199,7 +200,7 @@ def _greedy(source, quant, prompts, params, budget=64, pack=True) -> list[list[i
     assert model.packed == (pack and quant is None)
     assert isinstance(model.lm_head, PackedLinear) == model.packed
     for i, p in enumerate(prompts):
-        engine.add_request(str(i), PromptTokens(p), params)
+        add_request(engine, str(i), PromptTokens(p), params)
     tokens = {str(i): [] for i in range(len(prompts))}
     while engine.has_unfinished_requests():
         for delta in engine.step():

@@ -13,6 +13,7 @@ from splitserve.sampling_params import SamplingParams
 from splitserve.tokens import PromptTokens
 
 from disagg_utils import PROMPT, drain, engine, handoff, tokens
+from engine_requests import add_request
 
 params_strategy = st.builds(
     SamplingParams,
@@ -59,12 +60,12 @@ def test_metadata_equals_list_or_falls_back(trio, params, echo):
         engine_readers = [r for r in readers if r != "echo"]   # echo is the front-end's
         if prompt.is_placeholder and engine_readers:
             with pytest.raises(InvalidRequestError):
-                gen.add_request("g", prompt, params, remote=remote)
+                add_request(gen, "g", prompt, params, remote=remote)
             ctx.remote_kv.leases.release(first.kv_handle.ctx_request_id,
                                          first.kv_handle.lease_token)
             ctx.step()
             return
-        gen.add_request("g", prompt, params, remote=remote)
+        add_request(gen, "g", prompt, params, remote=remote)
         deltas = drain(gen)
         outs.append((tokens(deltas), "".join(d.text for d in deltas),
                      [lp for d in deltas for lp in (d.logprobs or [])]))

@@ -140,7 +140,7 @@ def test_b64_path_builds_no_python_list_of_the_prompt(cluster, monkeypatch, tiny
 
 
 def test_context_worker_encodes_b64_from_the_array(monkeypatch):
-    from splitserve.server.generate import _relay_fields
+    from splitserve.server.admission import relay_fields as _relay_fields
     prompt = PromptTokens(np.arange(100, dtype=np.int32))
     monkeypatch.setattr(PromptTokens, "tolist", lambda self: (_ for _ in ()).throw(AssertionError))
     fields = _relay_fields("b64", prompt)

@@ -1,5 +1,8 @@
 """What a request must satisfy before the engine takes it: each check raises
-InvalidRequestError naming the parameter, so the front-end answers 400."""
+InvalidRequestError naming the parameter, so the front-end answers 400.
+
+Free of torch: the worker's front-end runs check_prompt too (server/admission.py), before
+a stream's head leaves."""
 
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from splitserve.tokens import PromptTokens
 
 def check_prompt(prompt: PromptTokens, params: SamplingParams, vocab_size: int,
                  max_model_len: int) -> None:
+    """Not empty, room for one generated token, token ids of the vocabulary (params' too)."""
     n = len(prompt)
     if n == 0:
         raise InvalidRequestError("the prompt is empty", "prompt")

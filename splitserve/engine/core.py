@@ -16,24 +16,22 @@ from splitserve.config import EngineConfig
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.admission import (check_length_only, check_prompt,
                                          check_relayed_prompt, check_resumed, sibling_params)
-from splitserve.engine.detokenizer import IncrementalDetokenizer
 from splitserve.engine.failures import FailureHandling
-from splitserve.engine.output import OutputBuilding
+from splitserve.engine.output import OutputBuilder
 from splitserve.engine.disagg import RemoteKV
-from splitserve.engine.request import FinishReason, Request, RequestStatus
+from splitserve.engine.request import FinishReason, Request
 from splitserve.engine.runner import ModelRunner, StepResult
 from splitserve.engine.sampler import Sampler, prompt_logprobs
 from splitserve.engine.scheduler import Scheduler
 from splitserve.errors import InvalidRequestError
 from splitserve.model.llama import build_model
 from splitserve.model.loader import ModelSource, load_model_source
-from splitserve.protocol.engine import CompletionDelta, RemotePrefill
-from splitserve.sampling_params import SamplingParams
+from splitserve.protocol.engine import CompletionDelta, EngineRequest
 from splitserve.tokens import PromptTokens
 
 logger = logging.getLogger(__name__)
 
-class EngineCore(FailureHandling, OutputBuilding):
+class EngineCore(FailureHandling):
     def __init__(self, config: EngineConfig, source: ModelSource | None = None):
         self.config = config
         if config.num_threads:
@@ -53,36 +51,31 @@ class EngineCore(FailureHandling, OutputBuilding):
         self.runner = ModelRunner(model, cfg, num_blocks, block_size, config.torch_dtype)
         self.sampler = Sampler(cfg.vocab_size, seed=config.seed)
         self.groups: dict[str, list[Request]] = {}
-        self.detokenizers: dict[int, IncrementalDetokenizer] = {}
-        # Sequences whose response is sent whole (stream=False): their deltas are merged here
-        # and leave once, when the sequence finishes, not once per step. Keyed like
-        # detokenizers; the value is None until the first token.
-        self.final_only: dict[int, CompletionDelta | None] = {}
         self.pending: list[CompletionDelta] = []   # deltas produced between steps (aborts)
         self._batch: list[Request] = []            # the running step's requests
         self.remote_kv = RemoteKV(config.kv, self.block_manager, self.runner.kv_cache, cfg,
                                   config.torch_dtype)
+        self.output = OutputBuilder(self.tokenizer, self.scheduler, self.block_manager,
+                                    self.runner, self.remote_kv, self.groups)
         logger.info("engine: %s %s, %d KV blocks of %d tokens, max_model_len %d", cfg.name,
                     str(config.torch_dtype).removeprefix("torch."), num_blocks, block_size,
                     self.max_model_len)
 
     # -- requests in ----------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: PromptTokens, params: SamplingParams,
-                    context_only: bool = False, remote: RemotePrefill | None = None,
-                    received_time: float | None = None, stream: bool = True,
-                    resumed: np.ndarray | None = None) -> None:
+    def add_request(self, request: EngineRequest, prompt: PromptTokens,
+                    resumed: np.ndarray | None = None, received_time: float | None = None) -> None:
         """Validate and queue; raises InvalidRequestError naming the problem. Any other
         failure ends the request with an error delta from the next step().
-        context_only: stop after the first token and lease the KV to a generation worker.
-        remote: the prompt's KV is pulled from a context worker instead of computed.
+        prompt: its request.prompt_len tokens (a placeholder: only their number); resumed:
+        the request.num_resumed output tokens another worker already streamed (mid-stream
+        migration): they are recomputed with the prompt and the request continues after them.
         stream=False: each sequence yields one delta, when it finishes, holding everything it
-        generated (its first-token fields and first_token_time included).
-        resumed: output tokens another worker already streamed (mid-stream migration): they
-        are recomputed with the prompt and the request continues after them."""
-        if request_id in self.groups:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+        generated (its first-token fields and first_token_time included)."""
+        rid, params, remote = request.request_id, request.params, request.remote
+        if rid in self.groups:
+            raise InvalidRequestError(f"request id {rid!r} is already in use", "request_id")
         check_prompt(prompt, params, self.model_config.vocab_size, self.max_model_len)
-        if (context_only or remote is not None) and params.n > 1:
+        if request.disaggregated and params.n > 1:
             raise InvalidRequestError("n > 1 is not supported for disaggregated requests", "n")
         hashes = None   # of a relayed prompt: checked against the KV handle's digest
         if remote is not None:
@@ -93,55 +86,43 @@ class EngineCore(FailureHandling, OutputBuilding):
         if prompt.is_placeholder:
             check_length_only(params, remote)
         if resumed is not None:
-            check_resumed(prompt, params, resumed, context_only or remote is not None,
+            check_resumed(prompt, params, resumed, request.disaggregated,
                           self.model_config.vocab_size, self.max_model_len)
         try:
-            self._admit(request_id, prompt, params, context_only, remote, received_time, stream,
-                        resumed, hashes)
+            self._admit(request, prompt, resumed, received_time, hashes)
         except Exception:   # a bug admitting one request ends that request, not the engine
-            logger.exception("engine: admitting request %s failed", request_id)
-            self._discard_group(request_id)
+            logger.exception("engine: admitting request %s failed", rid)
+            self._discard_group(rid)
             self.pending.append(CompletionDelta(
-                request_id, -1, [], "", finish_reason=int(FinishReason.ERROR),
+                rid, -1, [], "", finish_reason=int(FinishReason.ERROR),
                 error="internal error while admitting the request"))
 
-    def _admit(self, request_id: str, prompt: PromptTokens, params: SamplingParams,
-               context_only: bool, remote: RemotePrefill | None, received_time: float | None,
-               stream: bool, resumed: np.ndarray | None, hashes: list[bytes] | None) -> None:
+    def _admit(self, request: EngineRequest, prompt: PromptTokens, resumed: np.ndarray | None,
+               received_time: float | None, hashes: list[bytes] | None) -> None:
+        """The request's n sequences: the leader (index 0) holds the others until it forks
+        them after its prefill (output.py)."""
+        rid, params, n = request.request_id, request.params, request.params.n
         eos = () if params.ignore_eos else self.model_config.eos_token_ids
-        children = self.groups[request_id] = []
-        for i in range(params.n):
-            child_params = sibling_params(params, i) if i else params
-            req = Request(f"{request_id}#{i}" if params.n > 1 else request_id, prompt, child_params,
-                          eos, self.max_model_len, received_time)
-            req.group_id, req.index = request_id, i
-            children.append(req)
-            if not stream:
-                self.final_only[id(req)] = None
-        leader, siblings = children[0], children[1:]
-        leader.context_only, leader.remote = context_only, remote
-        if hashes is not None:   # verified: what its pulled KV is filed under in the prefix cache
-            leader.block_hashes = hashes
-        if resumed is not None:
-            self._resume(leader, resumed)
-        for s in siblings:
-            s.status = RequestStatus.WAITING_FOR_FORK
-        leader.siblings = siblings
+        siblings = [Request(f"{rid}#{i}", prompt, sibling_params(params, i), eos,
+                            self.max_model_len, received_time, group_id=rid, index=i)
+                    for i in range(1, n)]
+        # hashes: verified, so what its pulled KV is filed under in the prefix cache.
+        leader = Request(f"{rid}#0" if n > 1 else rid, prompt, params, eos, self.max_model_len,
+                         received_time, group_id=rid, kind=request.kind, remote=request.remote,
+                         siblings=siblings, block_hashes=hashes,
+                         resumed=None if resumed is None else resumed.tolist())
+        children = self.groups[rid] = [leader, *siblings]
+        if not request.stream:
+            for req in children:
+                self.output.send_whole(req)
+        if resumed is not None:   # its text was sent already: the detokenizer reads it silently
+            self.output.detokenizer(leader).step(leader.output_token_ids)
         self.scheduler.add(leader)
-
-    def _resume(self, req: Request, resumed: np.ndarray) -> None:
-        """The sequence continues after tokens streamed elsewhere: they count as its output
-        (max_tokens, penalties, stop strings) and are prefilled with the prompt, as after a
-        preemption. Their text was sent already: the detokenizer reads it without emitting,
-        so text it held back (a possible stop string) comes out as it would have."""
-        req.output_token_ids = resumed.tolist()
-        req.num_resumed_tokens = len(req.output_token_ids)
-        self._detokenizer(req).step(req.output_token_ids)
 
     def abort_request(self, request_id: str) -> None:
         for req in self.groups.get(request_id, ()):
             if not req.is_finished:
-                self._guard(req, self.pending, "aborting", self._finish, req, FinishReason.ABORT,
+                self._guard(req, self.pending, "aborting", self.output.finish, req, FinishReason.ABORT,
                             self.pending)
 
     # -- the step -------------------------------------------------------------------------
@@ -171,7 +152,7 @@ class EngineCore(FailureHandling, OutputBuilding):
         for req in sched.pulls:
             self._guard(req, out, "starting its KV transfer", self.remote_kv.start_pull, req)
         for req in sched.starved:
-            self._finish(req, FinishReason.ERROR, out, error="out of KV cache blocks")
+            self.output.finish(req, FinishReason.ERROR, out, error="out of KV cache blocks")
         for req in sched.failed:
             self._fail(req, out, "scheduling")
         if not sched:
@@ -226,7 +207,14 @@ class EngineCore(FailureHandling, OutputBuilding):
                              len(requests))
             picks = self._sample_each(logits, requests, out)
         for req, token, logprob in picks:
-            self._guard(req, out, "detokenizing", self._append_token, req, token, logprob, out)
+            self._guard(req, out, "detokenizing", self.output.append_token, req, token, logprob,
+                        out)
+
+    def _fork_siblings(self, leader: Request, out: list[CompletionDelta]) -> list[Request]:
+        """n > 1: the siblings forked from the leader after its prefill, each guarded alone."""
+        siblings, leader.siblings = leader.siblings, []
+        return [sib for sib in siblings
+                if self._guard(sib, out, "forking", self.output.fork, leader, sib)]
 
     def _sample_each(self, logits: torch.Tensor, requests: list[Request],
                      out: list[CompletionDelta]) -> list[tuple[Request, int, object]]:
@@ -248,7 +236,7 @@ class EngineCore(FailureHandling, OutputBuilding):
             return
         req.kv_transfer_time = result.seconds
         if not result.ok:
-            self._finish(req, FinishReason.ERROR, out, error=f"KV transfer from the context "
+            self.output.finish(req, FinishReason.ERROR, out, error=f"KV transfer from the context "
                          f"worker failed: {result.error}")
             return
         remote, bm = req.remote, self.block_manager
@@ -261,7 +249,7 @@ class EngineCore(FailureHandling, OutputBuilding):
         lps = remote.first_gen_logprobs or [None] * len(remote.first_gen_tokens)
         for token, lp in zip(remote.first_gen_tokens, lps):
             if not req.is_finished:
-                self._append_token(req, token, lp, out)
+                self.output.append_token(req, token, lp, out)
 
     # -- introspection --------------------------------------------------------------------
     @property

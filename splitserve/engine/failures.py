@@ -1,7 +1,7 @@
 """How EngineCore ends one request that failed, so that nothing else does.
 
-A mixin of EngineCore: it uses the engine's groups, final_only, detokenizers, scheduler and
-_finish. Every method runs on the engine thread.
+A mixin of EngineCore: it uses the engine's groups, scheduler and output (OutputBuilder).
+Every method runs on the engine thread.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class FailureHandling:
             return
         error = f"internal error while {doing} (see the worker's log)"
         try:
-            self._finish(req, FinishReason.ERROR, out, error=error)
+            self.output.finish(req, FinishReason.ERROR, out, error=error)
         except Exception:   # its state is beyond repair: forget it without its bookkeeping
             logger.exception("engine: ending request %s failed", req.request_id)
             self._drop(req, out, error)
@@ -56,8 +56,7 @@ class FailureHandling:
     def _forget(self, req: Request) -> None:
         """Take req out of every structure and free its blocks, without finishing it."""
         req.status = RequestStatus.FINISHED_ERROR
-        self.final_only.pop(id(req), None)
-        self.detokenizers.pop(id(req), None)
+        self.output.forget(req)
         try:
             self.scheduler.remove(req)
         except Exception:

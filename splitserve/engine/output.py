@@ -1,9 +1,7 @@
 """How EngineCore turns sampled tokens into CompletionDeltas: stop checks and the
 incremental detokenizer, final-only merging (a response sent whole gets one delta per
 sequence), finishing a request, and forking an n > 1 request's siblings from its leader.
-
-A mixin of EngineCore: it uses the engine's scheduler, block manager, runner, remote_kv,
-groups, final_only and detokenizers. Every method runs on the engine thread.
+Every method runs on the engine thread.
 """
 
 from __future__ import annotations
@@ -15,13 +13,33 @@ from splitserve.engine.request import FinishReason, Request, RequestStatus
 from splitserve.protocol.engine import CompletionDelta
 
 
-class OutputBuilding:
-    def _fork_siblings(self, leader: Request, out: list[CompletionDelta]) -> list[Request]:
-        """n > 1: siblings share the leader's prompt blocks and sample from its logits."""
-        siblings, leader.siblings = leader.siblings, []
-        return [sib for sib in siblings if self._guard(sib, out, "forking", self._fork, leader, sib)]
+class OutputBuilder:
+    """Owns each sequence's detokenizer and, for a sequence whose response is sent whole
+    (stream=False), the delta it holds until it finishes. Given the engine's scheduler (a
+    finished sequence leaves it, a forked one joins it), block manager and runner (a fork
+    shares or copies the leader's blocks), remote KV (a context_only request's KV is leased
+    after its first token) and the engine's groups, from which it drops a finished group."""
 
-    def _fork(self, leader: Request, sib: Request) -> bool:
+    def __init__(self, tokenizer, scheduler, block_manager, runner, remote_kv,
+                 groups: dict[str, list[Request]]):
+        self.tokenizer, self.scheduler, self.block_manager = tokenizer, scheduler, block_manager
+        self.runner, self.remote_kv, self.groups = runner, remote_kv, groups
+        self.detokenizers: dict[int, IncrementalDetokenizer] = {}   # by id(request)
+        # Sequences sent whole: their deltas merge here and leave once, when the sequence
+        # finishes, not once per step. None until the first token.
+        self.final_only: dict[int, CompletionDelta | None] = {}
+
+    def send_whole(self, req: Request) -> None:
+        self.final_only[id(req)] = None
+
+    def forget(self, req: Request) -> None:
+        """Drop what is held for a request taken out without finishing."""
+        self.final_only.pop(id(req), None)
+        self.detokenizers.pop(id(req), None)
+
+    def fork(self, leader: Request, sib: Request) -> bool:
+        """n > 1: a sibling shares the leader's prompt blocks and samples from its logits;
+        False (it waits to recompute instead) when no block is free for it."""
         if self.block_manager.num_free_blocks < 1:
             sib.status = RequestStatus.WAITING    # no room to fork: recompute (prefix cache helps)
             self.scheduler.add(sib)
@@ -35,7 +53,7 @@ class OutputBuilding:
         self.scheduler.running.append(sib)
         return True
 
-    def _append_token(self, req: Request, token: int, logprob, out: list[CompletionDelta]) -> None:
+    def append_token(self, req: Request, token: int, logprob, out: list[CompletionDelta]) -> None:
         first = req.num_output_tokens == req.num_resumed_tokens
         req.output_token_ids.append(token)
         delta = CompletionDelta(req.group_id, req.index, [token], "",
@@ -56,7 +74,7 @@ class OutputBuilding:
             delta.kv_handle = self.remote_kv.lease(req)
             reason = FinishReason.HANDOFF
         if reason is not None:
-            self._finish(req, reason, out, delta)
+            self.finish(req, reason, out, delta)
         elif id(req) not in self.final_only:
             out.append(delta)
         else:
@@ -83,7 +101,7 @@ class OutputBuilding:
         if token in params.stop_token_ids:
             req.stop_reason = token
             return FinishReason.STOP
-        text, stop = self._detokenizer(req).step([token])
+        text, stop = self.detokenizer(req).step([token])
         delta.text = text
         if stop is not None:
             req.stop_reason = stop
@@ -92,13 +110,13 @@ class OutputBuilding:
             return FinishReason.LENGTH
         return None
 
-    def _detokenizer(self, req: Request) -> IncrementalDetokenizer:
+    def detokenizer(self, req: Request) -> IncrementalDetokenizer:
         d = self.detokenizers.get(id(req))
         if d is None:
             d = self.detokenizers[id(req)] = IncrementalDetokenizer(self.tokenizer, req.params)
         return d
 
-    def _finish(self, req: Request, reason: FinishReason, out: list[CompletionDelta],
+    def finish(self, req: Request, reason: FinishReason, out: list[CompletionDelta],
                 delta: CompletionDelta | None = None, error: str | None = None) -> None:
         if delta is None:
             delta = CompletionDelta(req.group_id, req.index, [], "")
@@ -115,7 +133,7 @@ class OutputBuilding:
         delta.error = error
         self.scheduler.remove(req)
         for sib in req.siblings:   # never forked: they share the leader's fate
-            self._finish(sib, reason, out, error=error)
+            self.finish(sib, reason, out, error=error)
         req.siblings = []
         out.append(delta)
         group = self.groups.get(req.group_id, [])

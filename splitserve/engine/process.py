@@ -24,10 +24,9 @@ from splitserve.config import EngineConfig
 from splitserve.engine.core import EngineCore
 from splitserve.errors import InvalidRequestError
 from splitserve.protocol.engine import (
-    AbortRequests, AddRequest, AddRequests, CompletionDelta, EngineDead, EngineInput,
-    EngineOutputs, EngineReady, EngineStats, Shutdown, decode_leniently, split_prompts,
-    unpack_input)
-from splitserve.engine.request import FinishReason
+    AbortRequests, AddRequests, CompletionDelta, EngineDead, EngineInput, EngineOutputs,
+    EngineReady, EngineRequest, EngineStats, FinishReason, Shutdown, decode_leniently,
+    split_prompts, unpack_input)
 from splitserve.tokens import PromptTokens
 
 logger = logging.getLogger(__name__)
@@ -153,28 +152,22 @@ def _handle(engine: EngineCore, item, deltas: list[CompletionDelta]) -> None:
             deltas.append(_internal_error(item[0].request_id, "could not admit the request"))
 
 
-def _add(engine: EngineCore, msg, frame, received: float, deltas: list[CompletionDelta]) -> None:
+def _add(engine: EngineCore, msg: EngineRequest, frame, received: float,
+         deltas: list[CompletionDelta]) -> None:
+    """frame: its token ids' bytes, as split_prompts cut them to its declared lengths."""
     try:
         if frame is None:
             raise InvalidRequestError("the engine received a batch whose prompt bytes do not "
                                       "match its prompt lengths", "prompt_len")
+        tokens = PromptTokens.from_bytes(frame)
+        resumed = None
         if msg.placeholder:
             prompt = PromptTokens.placeholder(msg.prompt_len)
         else:
-            prompt = PromptTokens.from_bytes(frame)
-            if len(prompt) != msg.prompt_len:
-                raise InvalidRequestError(f"prompt_len {msg.prompt_len} does not match the "
-                                          f"{len(prompt)} prompt tokens sent", "prompt_len")
-        resumed = None
+            prompt = PromptTokens(tokens.array[:msg.prompt_len])
         if msg.num_resumed:
-            if not 0 < msg.num_resumed < len(prompt):
-                raise InvalidRequestError("num_resumed must be less than the tokens sent",
-                                          "disaggregated_params.resume_token_ids")
-            split = len(prompt) - msg.num_resumed
-            prompt, resumed = PromptTokens(prompt.array[:split]), prompt.array[split:]
-        engine.add_request(msg.request_id, prompt, msg.params, context_only=msg.context_only,
-                           remote=msg.remote, received_time=received, stream=msg.stream,
-                           resumed=resumed)
+            resumed = tokens.array[len(tokens) - msg.num_resumed:]
+        engine.add_request(msg, prompt, resumed, received)
     except InvalidRequestError as exc:
         deltas.append(_rejected(msg.request_id, exc))
 
@@ -234,12 +227,12 @@ def _receive_leniently(header: memoryview, prompts: memoryview, received: float,
     """A message that failed to decode: admit the requests in it that decode alone, and
     answer each of the others that names itself with an error, so none waits forever."""
     requests = decode_leniently(header)
-    bad = [named.request_id for named, req in requests if not isinstance(req, AddRequest)]
+    bad = [named.request_id for named, req in requests if not isinstance(req, EngineRequest)]
     logger.error("engine: an input message failed to decode (%s); %d request(s) in it "
                  "unreadable: %s", exc, len(bad), bad[:10])
     frames = split_prompts([named for named, _ in requests], prompts)
     for (named, req), frame in zip(requests, frames):
-        if isinstance(req, AddRequest):
+        if isinstance(req, EngineRequest):
             in_q.put((req, frame, received))
         else:
             in_q.put(_Unreadable(named.request_id, req))

@@ -8,8 +8,11 @@ import time
 import numpy as np
 import torch
 
+from splitserve.protocol.engine import FinishReason, RemotePrefill, RequestKind
 from splitserve.sampling_params import SamplingParams
 from splitserve.tokens import PromptTokens
+
+__all__ = ["NO_BLOCKS", "FinishReason", "Request", "RequestStatus"]
 
 
 # The block ids of a holder that has none. Holders' arrays are replaced, never written in
@@ -38,17 +41,6 @@ class RequestStatus(enum.IntEnum):
         return _FINISHED_STATUS[reason]
 
 
-class FinishReason(enum.IntEnum):
-    STOP = 0
-    LENGTH = 1
-    ABORT = 2
-    ERROR = 3
-    HANDOFF = 4                 # continues on a generation worker
-
-    def __str__(self) -> str:
-        return self.name.lower()
-
-
 _FINISH = {
     RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
     RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
@@ -66,9 +58,16 @@ class Request:
 
     def __init__(self, request_id: str, prompt: PromptTokens, params: SamplingParams,
                  eos_token_ids: tuple[int, ...] = (), max_model_len: int = 1 << 30,
-                 received_time: float | None = None):
+                 received_time: float | None = None, *, group_id: str | None = None,
+                 index: int = 0, kind: RequestKind = RequestKind.AGGREGATED,
+                 remote: RemotePrefill | None = None, siblings: list[Request] | None = None,
+                 block_hashes: list[bytes] | None = None, resumed: list[int] | None = None):
         """received_time: the wall clock the engine process took it off its input socket
-        (default now); waiting from then on for a step to end is queue time."""
+        (default now); waiting from then on for a step to end is queue time. An n > 1
+        request's sequence `index` is child `index` of `group_id`; the leader (index 0) holds
+        its not-yet-forked `siblings`, which wait for it. block_hashes: a relayed prompt's,
+        verified against its KV handle. resumed: output streamed by another worker before a
+        migration: it counts as this sequence's output."""
         self.request_id = request_id
         self.prompt = prompt
         self.params = params
@@ -77,25 +76,24 @@ class Request:
         # Wall clock, comparable with the front-end's: where front-end preprocessing ends.
         self.admit_time = wall if received_time is None else min(received_time, wall)
         self.arrival_time = time.monotonic() - (wall - self.admit_time)   # the same moment
-        self.status = RequestStatus.WAITING
+        self.status = RequestStatus.WAITING_FOR_FORK if index else RequestStatus.WAITING
         self.first_scheduled_time: float | None = None   # for queue-time metrics
-        self.output_token_ids: list[int] = []
-        self.num_resumed_tokens = 0      # outputs streamed by another worker before a migration
+        self.output_token_ids: list[int] = list(resumed or ())
+        self.num_resumed_tokens = len(self.output_token_ids)   # streamed before a migration
         self.num_computed_tokens = 0     # tokens whose KV is in this request's blocks
         self.num_cached_tokens = 0       # prompt tokens served from the prefix cache
         self.block_ids: np.ndarray = NO_BLOCKS
-        self.block_hashes: list[bytes] = []   # chained hashes of the full prompt+output blocks
+        self.block_hashes: list[bytes] = block_hashes or []   # chained, of full prompt+output blocks
         self.stop_reason: int | str | None = None  # the stop token id or string that ended it
         self.error: str | None = None
-        # n > 1: child `index` of group `group_id`; the leader holds its not-yet-forked siblings.
-        self.group_id = request_id
-        self.index = 0
-        self.siblings: list[Request] = []
+        self.group_id = request_id if group_id is None else group_id
+        self.index = index
+        self.siblings: list[Request] = siblings or []
         self.prompt_logprobs: list | None = None   # one entry per prompt token, first is None
         # Disaggregation: context_only hands its KV off after the first token; a request
-        # with `remote` pulls its prompt's KV instead of computing it.
-        self.context_only = False
-        self.remote = None                # protocol.engine.RemotePrefill
+        # with `remote` (generation_only) pulls its prompt's KV instead of computing it.
+        self.context_only = kind == RequestKind.CONTEXT_ONLY
+        self.remote = remote
         self.pulling = False              # a transport thread is writing into its blocks
         self.kv_transfer_time = 0.0
         # Output budget, clamped so prompt + output never exceeds the model's context.

@@ -67,10 +67,6 @@ class DisaggregatedParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             _check(getattr(self, name) is not None, f"{name} is required for generation_only", name)
         _check(self.prompt_token_ids is None or self.prompt_token_ids_b64 is None,
                "send prompt_token_ids or prompt_token_ids_b64, not both", "prompt_token_ids")
-        if self.prompt_token_ids is not None:
-            _check(self.prompt_len == len(self.prompt_token_ids),
-                   f"prompt_len {self.prompt_len} disagrees with the {len(self.prompt_token_ids)} "
-                   f"prompt tokens", "prompt_len")
         _check(self.prompt_len == self.kv_handle.num_tokens,
                f"prompt_len {self.prompt_len} disagrees with the KV handle's "
                f"{self.kv_handle.num_tokens} tokens", "prompt_len")

@@ -2,7 +2,7 @@
 
 Prompt token ids never ride inside these Structs: every message to the engine travels as one
 ZeroMQ frame (pack_input): the encoded message, then, for AddRequests, the raw little-endian
-int32 prompts of its requests that are not length-only placeholders, back to back.
+int32 token ids of its requests (a length-only placeholder prompt sends none), back to back.
 
 The per-request Structs are gc=False: they hold plain data and never take part in a
 reference cycle, so the garbage collector need not walk the thousands that requests in
@@ -11,6 +11,8 @@ front-end's event loop for ~86 ms; this and the engine's final-only output for r
 sent whole brought them to ~20 ms.)"""
 
 from __future__ import annotations
+
+import enum
 
 import msgspec
 
@@ -67,7 +69,7 @@ class CompletionDelta(msgspec.Struct, omit_defaults=True, gc=False):
     text: str
     logprobs: list[Logprob] | None = None
     prompt_logprobs: list[Logprob | None] | None = None   # only in a sequence's first delta
-    finish_reason: int | None = None                     # engine.request.FinishReason
+    finish_reason: int | None = None                     # FinishReason
     stop_reason: int | str | None = None                 # the stop token id or string
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
@@ -83,23 +85,57 @@ class CompletionDelta(msgspec.Struct, omit_defaults=True, gc=False):
 
 
 # -- front-end -> engine core ----------------------------------------------------------------
-class AddRequest(msgspec.Struct, gc=False):
+class RequestKind(enum.IntEnum):
+    AGGREGATED = 0        # prefill and decode here
+    CONTEXT_ONLY = 1      # prefill, sample one token, lease the KV for a generation worker
+    GENERATION_ONLY = 2   # pull the prompt's KV from a context worker (remote), then decode
+
+
+class FinishReason(enum.IntEnum):
+    """CompletionDelta.finish_reason."""
+    STOP = 0
+    LENGTH = 1
+    ABORT = 2
+    ERROR = 3
+    HANDOFF = 4                 # continues on a generation worker
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+
+class EngineRequest(msgspec.Struct, gc=False):
+    """One request as the front-end built it, checked, and the engine takes it: the engine
+    builds its Request(s) from this and the token ids that follow it in the frame."""
     request_id: str
     params: SamplingParams
     prompt_len: int
     placeholder: bool = False          # length-only prompt: no token frame values
-    context_only: bool = False         # prefill, sample one token, lease the KV for a GEN
-    remote: RemotePrefill | None = None   # generation_only: pull the KV, then decode
+    kind: RequestKind = RequestKind.AGGREGATED
+    remote: RemotePrefill | None = None   # GENERATION_ONLY: where the KV is, the first tokens
     stream: bool = True                # False: one delta per sequence, when it finishes
-    # Mid-stream migration: the last num_resumed of the prompt_len tokens sent are output a
-    # response already streamed from another worker; the request continues after them.
+    # Mid-stream migration: output a response already streamed from another worker; its
+    # tokens ride after the prompt's and the request continues after them.
     num_resumed: int = 0
+
+    def __post_init__(self):
+        if (self.kind == RequestKind.GENERATION_ONLY) != (self.remote is not None):
+            raise InvalidRequestError("a generation_only request, and only one, carries the "
+                                      "context worker's KV handle", "disaggregated_params")
+
+    @property
+    def num_tokens(self) -> int:
+        """Token ids in its frame: the prompt's (none for a placeholder), then the resumed."""
+        return (0 if self.placeholder else self.prompt_len) + self.num_resumed
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.kind != RequestKind.AGGREGATED
 
 
 class AddRequests(msgspec.Struct, tag="add"):
     """Every request the front-end submitted in one event-loop turn, in one message: one
     ZeroMQ send per turn instead of one per request (pack_input)."""
-    requests: list[AddRequest]
+    requests: list[EngineRequest]
 
 
 def pack_input(header: bytes, prompts=()) -> bytes:
@@ -116,13 +152,13 @@ def unpack_input(buf: memoryview) -> tuple[memoryview, memoryview]:
     return buf[4:4 + n], buf[4 + n:]
 
 
-def split_prompts(requests: list[AddRequest], body: memoryview) -> list[memoryview | None]:
-    """Each request's prompt bytes (b"" for a placeholder); None for all of them when the
-    bytes do not add up to the declared prompt lengths (the batch was built wrong)."""
+def split_prompts(requests: list[EngineRequest], body: memoryview) -> list[memoryview | None]:
+    """Each request's token bytes (its prompt's, then its resumed output's); None for all of
+    them when the bytes do not add up to the declared lengths (the batch was built wrong)."""
     out, offset = [], 0
     for req in requests:
-        size = 0 if req.placeholder else 4 * req.prompt_len
-        if size < 0 or offset + size > len(body):
+        size = 4 * req.num_tokens
+        if req.prompt_len < 0 or size < 0 or offset + size > len(body):
             return [None] * len(requests)
         out.append(body[offset:offset + size])
         offset += size
@@ -141,11 +177,14 @@ EngineInput = AddRequests | AbortRequests | Shutdown
 
 
 class NamedRequest(msgspec.Struct, gc=False):
-    """The fields of an AddRequest that say which request it is and how many prompt bytes
+    """The fields of an EngineRequest that say which request it is and how many token bytes
     follow: what can still be read of one that fails to decode."""
     request_id: str
     prompt_len: int = 0
     placeholder: bool = False
+    num_resumed: int = 0
+
+    num_tokens = EngineRequest.num_tokens
 
 
 class _RawRequests(msgspec.Struct, tag="add"):
@@ -153,12 +192,12 @@ class _RawRequests(msgspec.Struct, tag="add"):
 
 
 _raw_requests = msgspec.msgpack.Decoder(_RawRequests)
-_add_request = msgspec.msgpack.Decoder(AddRequest)
+_engine_request = msgspec.msgpack.Decoder(EngineRequest)
 _named_request = msgspec.msgpack.Decoder(NamedRequest)
 
 
 def decode_leniently(header: bytes | memoryview,
-                     ) -> list[tuple[NamedRequest, AddRequest | msgspec.DecodeError]]:
+                     ) -> list[tuple[NamedRequest, EngineRequest | msgspec.DecodeError]]:
     """An AddRequests message that failed to decode, read one request at a time: each that
     decodes, or the name of each that does not with its error. Requests that do not even
     name themselves are left out. [] if it is no AddRequests at all."""
@@ -173,7 +212,7 @@ def decode_leniently(header: bytes | memoryview,
         except msgspec.DecodeError:
             continue
         try:
-            out.append((named, _add_request.decode(raw)))
+            out.append((named, _engine_request.decode(raw)))
         except msgspec.DecodeError as exc:
             out.append((named, exc))
     return out

@@ -24,9 +24,8 @@ import zmq.asyncio
 
 from splitserve.config import EngineConfig
 from splitserve.protocol.engine import (
-    AbortRequests, AddRequest, AddRequests, CompletionDelta, EngineDead, EngineOutputs,
-    EngineReady, EngineStats, RemotePrefill, Shutdown, pack_input)
-from splitserve.sampling_params import SamplingParams
+    AbortRequests, AddRequests, CompletionDelta, EngineDead, EngineOutputs, EngineReady,
+    EngineRequest, EngineStats, Shutdown, pack_input)
 from splitserve.server.engine_process import EngineDeadError, EngineProcess
 from splitserve.tokens import PromptTokens
 
@@ -94,7 +93,7 @@ class EngineClient:
         self._closing = False
         self._restarter: asyncio.Task | None = None
         self._encoder = msgspec.msgpack.Encoder()
-        self._outbox: list[tuple[AddRequest, memoryview | bytes]] = []
+        self._outbox: list[tuple[EngineRequest, memoryview | bytes]] = []
 
     @property
     def process(self):
@@ -208,25 +207,21 @@ class EngineClient:
             self._crashes += 1
 
     # -- requests -------------------------------------------------------------------------
-    async def generate(self, request_id: str, prompt: PromptTokens, params: SamplingParams,
-                       context_only: bool = False, remote: RemotePrefill | None = None,
-                       stream: bool = True,
+    async def generate(self, request: EngineRequest, prompt: PromptTokens,
                        resumed: PromptTokens | None = None) -> AsyncIterator[CompletionDelta]:
         """Yields the request's deltas until all n sequences finished; stream=False yields
         them in bursts, when a sequence finishes. Leaving early (the client went away, the
-        task was cancelled) aborts the request in the engine. resumed: output tokens already
-        streamed by another worker (mid-stream migration); they ride after the prompt."""
+        task was cancelled) aborts the request in the engine. prompt and resumed (output
+        another worker streamed: request.num_resumed tokens) ride as int32 bytes after it."""
         self.check_available()
-        q = self.queues[request_id] = DeltaQueue(eager=stream)
+        request_id = request.request_id
+        q = self.queues[request_id] = DeltaQueue(eager=request.stream)
         frame = b"" if prompt.is_placeholder else memoryview(prompt.array).cast("B")
-        n_resumed = 0 if resumed is None else len(resumed)
-        if n_resumed:
+        if resumed is not None:
             frame = bytes(frame) + memoryview(resumed.array).cast("B")
-        msg = AddRequest(request_id, params, len(prompt) + n_resumed, prompt.is_placeholder,
-                         context_only, remote, stream, n_resumed)
-        open_seqs = params.n
+        open_seqs = request.params.n
         try:
-            self._submit(msg, frame)
+            self._submit(request, frame)
             while open_seqs:
                 try:
                     delta = await q.get()
@@ -241,7 +236,7 @@ class EngineClient:
             if open_seqs and self.healthy:
                 await self.abort([request_id])
 
-    def _submit(self, msg: AddRequest, frame: memoryview | bytes) -> None:
+    def _submit(self, msg: EngineRequest, frame: memoryview | bytes) -> None:
         self._outbox.append((msg, frame))
         if len(self._outbox) == 1:
             asyncio.get_running_loop().call_soon(self._flush)

@@ -21,12 +21,18 @@ import zmq
 import zmq.asyncio
 
 from splitserve.config import EngineConfig
-from splitserve.engine.process import run_engine_core
 from splitserve.protocol.engine import EngineDead, EngineOutput, EngineReady
 
 logger = logging.getLogger(__name__)
 
 SEND_RETRY_SECONDS = 0.005
+
+
+def _engine_main(*args) -> None:
+    """The spawned process's entry point: the engine (torch, the model) is imported there,
+    never in the front-end, which needs none of it."""
+    from splitserve.engine.process import run_engine_core
+    run_engine_core(*args)
 
 
 class EngineDeadError(RuntimeError):
@@ -50,7 +56,7 @@ class EngineProcess:
         self.out_sock.bind(self.output_addr)
         self.decoder = msgspec.msgpack.Decoder(EngineOutput)
         self.process = multiprocessing.get_context("spawn").Process(
-            target=run_engine_core, name=f"{log_prefix}-core", daemon=True,
+            target=_engine_main, name=f"{log_prefix}-core", daemon=True,
             args=(config, self.input_addr, self.output_addr, log_prefix))
         self._unsent: collections.deque[bytes] = collections.deque()
         self._retry: asyncio.TimerHandle | None = None

@@ -14,15 +14,14 @@ from typing import AsyncIterator
 
 import numpy as np
 
-from splitserve.engine.prompt_reads import prompt_value_readers
-from splitserve.errors import InvalidRequestError
 from splitserve.httpd import ChunkedStream, Request, Response
 from splitserve.protocol.disagg import DisaggregatedParams
-from splitserve.protocol.engine import CompletionDelta, RemotePrefill
+from splitserve.protocol.engine import CompletionDelta, EngineRequest, RequestKind
 from splitserve.protocol.openai import (
     DONE, ChatCompletionRequest, CompletionRequest, EchoPrompt, ResponseAccumulator,
     StreamEncoder, decode_chat_request, decode_completion_request, response_id, sse_error)
-from splitserve.sampling_params import SamplingParams
+from splitserve.server.admission import (
+    engine_requests, relay_fields, relayed_prompt, request_kind)
 from splitserve.server.engine_client import EngineDeadError
 from splitserve.tokens import PromptTokens
 from splitserve.trust import NotInternal
@@ -43,8 +42,8 @@ class GenerateHandlers:
         self._internal_only(request, req)
         self.server.check_model(req.model)
         params = req.sampling_params()
-        if _request_type(req) == "generation_only":
-            prompts, remote, mode = _relayed_prompt(req, params)
+        if request_kind(req) == RequestKind.GENERATION_ONLY:
+            prompts, remote, mode = relayed_prompt(req, params)
             self.server.metrics.token_relay.labels(mode).inc()
             texts = [""]
             if req.echo:
@@ -63,8 +62,8 @@ class GenerateHandlers:
         self._internal_only(request, req)
         self.server.check_model(req.model)
         params = req.sampling_params()
-        if _request_type(req) == "generation_only":
-            prompts, remote, mode = _relayed_prompt(req, params)
+        if request_kind(req) == RequestKind.GENERATION_ONLY:
+            prompts, remote, mode = relayed_prompt(req, params)
             self.server.metrics.token_relay.labels(mode).inc()
             return await self._respond(request, req, prompts, params, (), arrival, remote)
         tok = self.server.tokenizer
@@ -95,37 +94,12 @@ class GenerateHandlers:
                 lambda: [tok.decode(p.array, skip_special_tokens=False) for p in prompts])
         return prompts, texts
 
-    def _check(self, prompts: list[PromptTokens], params: SamplingParams) -> None:
-        """What the engine would reject, answered here with a 400 before anything starts."""
-        ready = self.server.engine.ready
-        params.check_vocab(ready.vocab_size)
-        for p in prompts:
-            if len(p) == 0:
-                raise InvalidRequestError("the prompt is empty", "prompt")
-            lo, hi = (0, 0) if p.is_placeholder else (int(p.array.min()), int(p.array.max()))
-            if lo < 0 or hi >= ready.vocab_size:
-                raise InvalidRequestError(f"prompt token id {lo if lo < 0 else hi} is outside the "
-                                          f"vocabulary [0, {ready.vocab_size})", "prompt")
-            want = len(p) + (params.max_tokens or 1)
-            if len(p) >= ready.max_model_len or want > ready.max_model_len:
-                raise InvalidRequestError(
-                    f"this model's maximum context length is {ready.max_model_len} tokens; the "
-                    f"request asks for {want} ({len(p)} in the prompt, {params.max_tokens or 1} "
-                    f"to generate)", "prompt" if len(p) >= ready.max_model_len else "max_tokens")
-
     async def _respond(self, request, req, prompts, params, echo, arrival, remote=None):
-        self._check(prompts, params)
-        context_only = _request_type(req) == "context_only"
-        if (context_only or remote is not None) and len(prompts) > 1:
-            raise InvalidRequestError("a disaggregated request takes one prompt", "prompt")
-        if context_only and req.stream:
-            raise InvalidRequestError("a context_only request cannot stream", "stream")
-        chat = isinstance(req, ChatCompletionRequest)
-        rid = response_id(chat)
+        rid = response_id(isinstance(req, ChatCompletionRequest))
+        requests, resumed = engine_requests(req, rid, prompts, params,
+                                            self.server.engine.ready, remote)
         kwargs = dict(token_text=self.server.token_text, echo=echo, request_id=rid)
-        resumed = _resumed(req, prompts, params)
-        deltas = self._merged(rid, prompts, params, context_only, remote, bool(req.stream),
-                              resumed)
+        deltas = self._merged(requests, prompts, resumed)
         observe = _Observer(self.server.metrics, arrival, remote is not None)
         if req.stream:
             return await self._stream(request, req, deltas, observe, kwargs)
@@ -146,7 +120,7 @@ class GenerateHandlers:
                 first_gen_tokens=handoff.token_ids, first_gen_logprobs=handoff.logprobs,
                 prompt_len=len(prompts[0]), kv_handle=handoff.kv_handle,
                 token_relay=req.disaggregated_params.token_relay,
-                **_relay_fields(req.disaggregated_params.token_relay, prompts[0]))}
+                **relay_fields(req.disaggregated_params.token_relay, prompts[0]))}
         return Response(acc.body(extra))
 
     async def _stream(self, request, req, deltas, observe, kwargs) -> ChunkedStream:
@@ -179,28 +153,25 @@ class GenerateHandlers:
         resp.end()
         return resp
 
-    async def _merged(self, rid: str, prompts: list[PromptTokens], params: SamplingParams,
-                      context_only: bool = False, remote=None,
-                      stream: bool = True,
-                      resumed: PromptTokens | None = None) -> AsyncIterator[tuple[int, CompletionDelta]]:
+    async def _merged(self, requests: list[EngineRequest], prompts: list[PromptTokens],
+                      resumed: PromptTokens | None) -> AsyncIterator[tuple[int, CompletionDelta]]:
         """(prompt index, delta) of every prompt's engine request, as they come."""
         engine = self.server.engine
-        if len(prompts) == 1:
-            async for delta in engine.generate(rid, prompts[0], params, context_only, remote,
-                                               stream, resumed):
+        if len(requests) == 1:
+            async for delta in engine.generate(requests[0], prompts[0], resumed):
                 yield 0, delta
             return
         q: asyncio.Queue = asyncio.Queue()
 
-        async def pump(i: int, prompt: PromptTokens) -> None:
+        async def pump(i: int) -> None:
             try:
-                async for delta in engine.generate(f"{rid}-{i}", prompt, params, stream=stream):
+                async for delta in engine.generate(requests[i], prompts[i]):
                     q.put_nowait((i, delta))
             except Exception as exc:   # (the engine died) fails the whole request, below
                 q.put_nowait((i, exc))
             else:
                 q.put_nowait((i, None))
-        tasks = [asyncio.create_task(pump(i, p)) for i, p in enumerate(prompts)]
+        tasks = [asyncio.create_task(pump(i)) for i in range(len(requests))]
         try:
             open_prompts = len(tasks)
             while open_prompts:
@@ -264,58 +235,9 @@ def _arrival(request: Request) -> float:
         return time.time()
 
 
-def _request_type(req) -> str | None:
-    dp = req.disaggregated_params
-    return None if dp is None else dp.request_type
-
-
-def _relayed_prompt(req, params: SamplingParams) -> tuple[list[PromptTokens], RemotePrefill, str]:
-    """generation_only: the prompt arrives from the context worker's answer as an int32
-    array (b64), a JSON list (list) or only its length (metadata); nothing is tokenized or
-    rendered again here, and b64 never becomes a Python list."""
-    dp = req.disaggregated_params
-    dp.check_generation_only()
-    if dp.prompt_token_ids_b64 is not None:
-        prompt, mode = PromptTokens.from_b64(dp.prompt_token_ids_b64), "b64"
-    elif dp.prompt_token_ids is not None:
-        prompt, mode = PromptTokens.from_list(dp.prompt_token_ids), "list"
-    else:
-        readers = prompt_value_readers(repetition_penalty=params.repetition_penalty,
-                                       prompt_logprobs=params.prompt_logprobs,
-                                       echo=getattr(req, "echo", False))
-        if readers:
-            raise InvalidRequestError(
-                f"{', '.join(readers)} read prompt token values, but only prompt_len was "
-                f"relayed; relay the tokens (token_relay list or b64)", readers[0])
-        prompt, mode = PromptTokens.placeholder(dp.prompt_len), "metadata"
-    if len(prompt) != dp.prompt_len:
-        raise InvalidRequestError(f"prompt_len {dp.prompt_len} disagrees with the {len(prompt)} "
-                                  f"relayed prompt tokens", "disaggregated_params.prompt_len")
-    return [prompt], RemotePrefill(dp.kv_handle, dp.first_gen_tokens, dp.first_gen_logprobs), mode
-
-
-def _resumed(req, prompts: list[PromptTokens], params: SamplingParams) -> PromptTokens | None:
-    """Mid-stream migration: the output another worker streamed before it failed."""
-    dp = req.disaggregated_params
-    if dp is None or dp.resume_token_ids is None:
-        return None
-    dp.check_resume()
-    if len(prompts) > 1 or params.n > 1 or getattr(req, "echo", False):
-        raise InvalidRequestError("a resumed request takes one prompt, n = 1 and no echo",
-                                  "disaggregated_params.resume_token_ids")
-    return PromptTokens.from_list(dp.resume_token_ids)
-
-
 def token_ids_comment(token_ids: list[int]) -> bytes:
     """An SSE comment naming the tokens of the event after it (stream_token_ids): clients
     ignore comments; the orchestrator reads and strips them to migrate a broken stream."""
     return b": ids " + " ".join(map(str, token_ids)).encode() + b"\n\n"
 
 
-def _relay_fields(relay: str | None, prompt: PromptTokens) -> dict:
-    """context_only: the prompt in the form the orchestrator asked for."""
-    if relay == "b64":
-        return {"prompt_token_ids_b64": prompt.b64()}     # from the array, never a list
-    if relay == "metadata":
-        return {}
-    return {"prompt_token_ids": prompt.tolist()}

@@ -24,6 +24,7 @@ from splitserve import placement
 from splitserve.bench.engine import plain_reference
 from splitserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from splitserve.engine.core import EngineCore
+from splitserve.protocol.engine import EngineRequest
 from splitserve.sampling_params import SamplingParams
 from splitserve.tokens import PromptTokens
 
@@ -60,7 +61,8 @@ def bench_prefill(engine: EngineCore, length: int, repeats: int, rng) -> float:
     times = []
     params = SamplingParams(temperature=0, max_tokens=1)
     for i in range(repeats + 1):
-        engine.add_request(f"p{i}", _prompt(rng, length, engine.model_config.vocab_size), params)
+        engine.add_request(EngineRequest(f"p{i}", params, length),
+                           _prompt(rng, length, engine.model_config.vocab_size))
         t0 = time.perf_counter()
         _drain(engine)
         if i:   # the first run warms up
@@ -71,7 +73,8 @@ def bench_prefill(engine: EngineCore, length: int, repeats: int, rng) -> float:
 def bench_decode(engine: EngineCore, batch: int, steps: int, prompt_len: int, rng) -> float:
     params = SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True)
     for i in range(batch):
-        engine.add_request(f"d{batch}-{i}", _prompt(rng, prompt_len, engine.model_config.vocab_size), params)
+        engine.add_request(EngineRequest(f"d{batch}-{i}", params, prompt_len),
+                           _prompt(rng, prompt_len, engine.model_config.vocab_size))
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) \
             or engine.scheduler.waiting:
         engine.step()

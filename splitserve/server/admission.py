@@ -1,0 +1,98 @@
+"""From a decoded OpenAI body to what the engine is asked: the prompts' checks that must
+answer 400 before a response starts (a stream's head leaves before the engine sees the
+request), the disaggregated fields, and the EngineRequest of each prompt, built once."""
+
+from __future__ import annotations
+
+from splitserve.engine.admission import check_prompt
+from splitserve.engine.prompt_reads import prompt_value_readers
+from splitserve.errors import InvalidRequestError
+from splitserve.protocol.engine import EngineReady, EngineRequest, RemotePrefill, RequestKind
+from splitserve.sampling_params import SamplingParams
+from splitserve.tokens import PromptTokens
+
+_KINDS = {None: RequestKind.AGGREGATED, "context_only": RequestKind.CONTEXT_ONLY,
+          "generation_only": RequestKind.GENERATION_ONLY}
+
+
+def request_kind(req) -> RequestKind:
+    dp = req.disaggregated_params
+    return _KINDS[None if dp is None else dp.request_type]
+
+
+def engine_requests(req, rid: str, prompts: list[PromptTokens], params: SamplingParams,
+                    ready: EngineReady, remote: RemotePrefill | None = None,
+                    ) -> tuple[list[EngineRequest], PromptTokens | None]:
+    """One EngineRequest per prompt (ids rid, or rid-0, rid-1, ... for several), once every
+    check that names a client's parameter passed; and the resumed output, if any."""
+    check_prompts(prompts, params, ready)
+    kind = request_kind(req)
+    if kind != RequestKind.AGGREGATED and len(prompts) > 1:
+        raise InvalidRequestError("a disaggregated request takes one prompt", "prompt")
+    if kind == RequestKind.CONTEXT_ONLY and req.stream:
+        raise InvalidRequestError("a context_only request cannot stream", "stream")
+    resumed = resumed_output(req, prompts, params)
+    n_resumed = 0 if resumed is None else len(resumed)
+    return [EngineRequest(rid if len(prompts) == 1 else f"{rid}-{i}", params, len(p),
+                          p.is_placeholder, kind, remote, bool(req.stream), n_resumed)
+            for i, p in enumerate(prompts)], resumed
+
+
+def check_prompts(prompts: list[PromptTokens], params: SamplingParams, ready: EngineReady) -> None:
+    """What the engine would reject (the same checks), answered here with a 400 before a
+    stream's head leaves; and, unlike the engine, which clamps it, a max_tokens the context
+    cannot hold."""
+    for p in prompts:
+        check_prompt(p, params, ready.vocab_size, ready.max_model_len)
+        want = len(p) + (params.max_tokens or 1)
+        if want > ready.max_model_len:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {ready.max_model_len} tokens; the "
+                f"request asks for {want} ({len(p)} in the prompt, {params.max_tokens or 1} "
+                f"to generate)", "max_tokens")
+
+
+def relayed_prompt(req, params: SamplingParams) -> tuple[list[PromptTokens], RemotePrefill, str]:
+    """generation_only: the prompt arrives from the context worker's answer as an int32
+    array (b64), a JSON list (list) or only its length (metadata); nothing is tokenized or
+    rendered again here, and b64 never becomes a Python list."""
+    dp = req.disaggregated_params
+    dp.check_generation_only()
+    if dp.prompt_token_ids_b64 is not None:
+        prompt, mode = PromptTokens.from_b64(dp.prompt_token_ids_b64), "b64"
+    elif dp.prompt_token_ids is not None:
+        prompt, mode = PromptTokens.from_list(dp.prompt_token_ids), "list"
+    else:
+        readers = prompt_value_readers(repetition_penalty=params.repetition_penalty,
+                                       prompt_logprobs=params.prompt_logprobs,
+                                       echo=getattr(req, "echo", False))
+        if readers:
+            raise InvalidRequestError(
+                f"{', '.join(readers)} read prompt token values, but only prompt_len was "
+                f"relayed; relay the tokens (token_relay list or b64)", readers[0])
+        prompt, mode = PromptTokens.placeholder(dp.prompt_len), "metadata"
+    if len(prompt) != dp.prompt_len:
+        raise InvalidRequestError(f"prompt_len {dp.prompt_len} disagrees with the {len(prompt)} "
+                                  f"relayed prompt tokens", "disaggregated_params.prompt_len")
+    return [prompt], RemotePrefill(dp.kv_handle, dp.first_gen_tokens, dp.first_gen_logprobs), mode
+
+
+def resumed_output(req, prompts: list[PromptTokens], params: SamplingParams) -> PromptTokens | None:
+    """Mid-stream migration: the output another worker streamed before it failed."""
+    dp = req.disaggregated_params
+    if dp is None or dp.resume_token_ids is None:
+        return None
+    dp.check_resume()
+    if len(prompts) > 1 or params.n > 1 or getattr(req, "echo", False):
+        raise InvalidRequestError("a resumed request takes one prompt, n = 1 and no echo",
+                                  "disaggregated_params.resume_token_ids")
+    return PromptTokens.from_list(dp.resume_token_ids)
+
+
+def relay_fields(relay: str | None, prompt: PromptTokens) -> dict:
+    """context_only: the prompt in the form the orchestrator asked for."""
+    if relay == "b64":
+        return {"prompt_token_ids_b64": prompt.b64()}     # from the array, never a list
+    if relay == "metadata":
+        return {}
+    return {"prompt_token_ids": prompt.tolist()}
