@@ -12,7 +12,7 @@ import msgspec
 from splitserve.bench import metrics as M
 from splitserve.bench import workloads
 from splitserve.bench.workloads import Turn
-from splitserve.server.metrics import parse_prometheus
+from splitserve.bench.prometheus import parse_prometheus
 
 
 class _Text(msgspec.Struct):

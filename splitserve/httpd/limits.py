@@ -6,6 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+# listen(2) backlog of every HTTP server here, as uvicorn and gunicorn default to
+LISTEN_BACKLOG = 2048
+
 
 @dataclass(frozen=True)
 class HTTPLimits:

@@ -12,11 +12,11 @@ from aiohttp import web
 
 from splitserve.errors import InvalidRequestError
 from splitserve.gc_policy import ServingGC
+from splitserve.httpd.limits import LISTEN_BACKLOG
+from splitserve.metrics import Counter, Gauge, Histogram, Registry
 from splitserve.orchestrator import migrate, relay, stream, upstream
 from splitserve.orchestrator.cluster import ClusterConfig, Server
 from splitserve.orchestrator.pools import ROLE, Pool, Tries
-from splitserve.server.config import LISTEN_BACKLOG
-from splitserve.server.metrics import Counter, Gauge, Histogram, Registry
 from splitserve.signals import wait_for_stop_signal
 from splitserve.trust import INTERNAL_HEADER, Gate
 
