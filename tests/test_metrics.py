@@ -4,8 +4,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from splitserve.server.metrics import (
-    Counter, Gauge, Histogram, Registry, ServerMetrics, parse_prometheus)
+from splitserve.bench.prometheus import parse_prometheus
+from splitserve.metrics import Counter, Gauge, Histogram, Registry
+from splitserve.server.metrics import ServerMetrics
 
 
 def key(name, **labels):

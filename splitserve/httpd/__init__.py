@@ -1,4 +1,5 @@
-"""The worker front-end's HTTP/1.1 server (httptools on the running event loop)."""
+"""The HTTP/1.1 server of the worker front-end and the orchestrator (httptools on the running
+event loop)."""
 
 from splitserve.httpd.limits import HTTPLimits
 from splitserve.httpd.messages import ChunkedStream, Request, Response, json_response

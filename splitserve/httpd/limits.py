@@ -1,10 +1,13 @@
-"""What one worker front-end holds for its clients, and for how long: the bounds that keep a
-client that sends slowly, sends too much, or does not read from costing the server without
-bound (what uvicorn and h11 guard against, and a little more)."""
+"""What one server (a worker front-end, the orchestrator) holds for its clients, and for how
+long: the bounds that keep a client that sends slowly, sends too much, or does not read from
+costing the server without bound (what uvicorn and h11 guard against, and a little more)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+
+# listen(2) backlog of every HTTP server here, as uvicorn and gunicorn default to
+LISTEN_BACKLOG = 2048
 
 
 @dataclass(frozen=True)

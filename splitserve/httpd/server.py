@@ -1,4 +1,4 @@
-"""A small HTTP/1.1 server for the worker front-end: one handler coroutine receives every
+"""A small HTTP/1.1 server for the worker front-end and the orchestrator: one handler coroutine receives every
 request (routing and error mapping are the application's), whole responses go out in one
 write, streams as chunks.
 

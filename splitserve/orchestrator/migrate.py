@@ -128,13 +128,16 @@ class Continuation:
         return b"data: " + orjson.dumps(obj)
 
 
-async def carry_on(orch, path: str, resp, tap: StreamTap, body: dict, key: bytes,
+async def carry_on(pools, path: str, resp, tap: StreamTap, body: dict, key: bytes,
                    avoid: list, problem: str) -> str | None:
-    """Continue a stream that broke on other generation workers (avoiding those in `avoid`,
-    the broken one first); the problem left (None: the stream was completed)."""
-    limit, config = max_tokens(body), orch.config
+    """Continue a stream that broke on other generation workers of `pools` (pools.Pools),
+    avoiding those in `avoid`, the broken one first; the problem left (None: the stream was
+    completed). Unlike the request's retry loop (pools.py), a failure here is not a retry of
+    the request: the client has bytes already, so each worker is tried once, and the
+    outcome counts in migrations_total."""
+    limit, config = max_tokens(body), pools.config
     for _ in range(max(config.max_retries, 1)):
-        server = orch.gen.pick(key, avoid)
+        server = pools.gen.pick(key, avoid)
         if not tap.migratable(limit) or server is None or server in avoid:
             break
         avoid.append(server)
@@ -143,12 +146,12 @@ async def carry_on(orch, path: str, resp, tap: StreamTap, body: dict, key: bytes
         data = orjson.dumps(resume_body(body, tap.token_ids))
         server.in_flight += 1
         try:
-            held = await upstream.open_generation(orch.session, server.url + path, data,
+            held = await upstream.open_generation(pools.session, server.url + path, data,
                                                   config.first_byte_timeout)
         except (upstream.Retry, upstream.TimedOut) as exc:
             logger.warning("orch: %s could not continue the stream: %s", server.url, exc)
             if isinstance(exc, upstream.Retry) and exc.down:
-                orch.gen.mark_down(server.url)
+                pools.gen.mark_down(server.url)
             server.in_flight -= 1
             continue
         try:
@@ -156,8 +159,8 @@ async def carry_on(orch, path: str, resp, tap: StreamTap, body: dict, key: bytes
         finally:
             held.response.close()
             server.in_flight -= 1
-        orch.metrics.migrations.labels("completed" if problem is None else "broke").inc()
+        pools.metrics.migrations.labels("completed" if problem is None else "broke").inc()
         if problem not in (stream.BROKE, stream.ENDED):
             return problem
-    orch.metrics.migrations.labels("gave_up").inc()
+    pools.metrics.migrations.labels("gave_up").inc()
     return problem

@@ -1,17 +1,28 @@
-"""A pool of workers of one role, and one request's tries on the pools."""
+"""The cluster's workers as the orchestrator sees them: a pool per role (its servers, their
+health, a router), one request's tries on the pools, and the one retry loop that serves a
+request: CTX prefill (unless aggregated), then GEN, each tried again elsewhere on a failure
+that reached nothing of the client. Every request to a worker goes through here."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 
-from splitserve.orchestrator.cluster import Server
+import aiohttp
+import orjson
+
+from splitserve.orchestrator import migrate, relay, stream, upstream
+from splitserve.orchestrator.cluster import ClusterConfig, Server
 from splitserve.orchestrator.relay import UpstreamError
 from splitserve.orchestrator.routers import make_router
 from splitserve.orchestrator.upstream import Retry
+from splitserve.trust import INTERNAL_HEADER
 
 logger = logging.getLogger(__name__)
 
 ROLE = {"ctx": "context", "gen": "generation"}
+_PROBE = aiohttp.ClientTimeout(total=2.0)   # health checks and /v1/models
 
 
 class Pool:
@@ -61,3 +72,149 @@ class Tries:
                                 f"({len(failed)} tries failed); retry later")
         logger.warning("orch: %s server %s failed (%s); trying again", pool.name, server.url, exc)
         self.metric.labels(pool.name, exc.reason).inc()
+
+
+class Pools:
+    """Both pools, the HTTP client session to their workers, and their health checks."""
+
+    def __init__(self, config: ClusterConfig, metrics):
+        self.config, self.metrics = config, metrics
+        self.ctx = Pool("ctx", config.context_servers.urls, config.context_servers.router)
+        self.gen = Pool("gen", config.generation_servers.urls, config.generation_servers.router)
+        self.session: aiohttp.ClientSession | None = None
+        self._health_task: asyncio.Task | None = None
+
+    # -- one request ----------------------------------------------------------------------
+    async def serve(self, request, body: dict, aggregated: bool, t0: float):
+        """(the client's response, its route label). request: the client's httpd Request,
+        which a GEN stream is written to. A failed GEN try prefills again: the CTX lease
+        may be gone (the dead GEN pulled and acked it, or it expired)."""
+        key, mode = relay.prefix_key(body), None
+        if aggregated:
+            ctx_data, gen_data = None, orjson.dumps(body)
+        else:
+            mode = relay.relay_mode(body, self.config.token_relay)
+            ctx_data, gen_data = orjson.dumps(relay.context_body(body, mode)), None
+            self.metrics.preprocessing.observe(time.time() - t0)
+        tries = Tries(self.config.max_retries, self.metrics.retries)
+        migratable = not aggregated and body.get("stream") is True and self.config.migrate_streams
+        while True:
+            pool = self.gen if gen_data is not None else self.ctx
+            server = tries.pick(pool, key)
+            try:
+                if gen_data is not None:
+                    tap, carry_on = (self._migration(request.path, body, key,
+                                                     [*tries.failed["gen"], server])
+                                     if migratable else (None, None))
+                    return await self._generate_on(server, request, gen_data, tap, carry_on), None
+                status, answer = await self._prefill(server, request.path, ctx_data)
+                params = answer.get("disaggregated_params") if status == 200 else None
+                if not params or not params.get("kv_handle"):
+                    return stream.ctx_answer(body, status, answer), "ctx_only"
+                ctx_done = time.time()
+                gen_data = orjson.dumps(relay.generation_body(body, params, migratable))
+                self.metrics.relay_modes.labels(mode).inc()
+                self.metrics.relay.observe(time.time() - ctx_done)
+            except upstream.Retry as exc:
+                tries.failed_on(pool, server, exc)
+                if not aggregated:
+                    gen_data = None
+            except upstream.TimedOut:
+                raise UpstreamError(
+                    f"the {ROLE[pool.name]} worker did not answer within "
+                    f"{self.config.first_byte_timeout:g} s", 504, None) from None
+
+    def _migration(self, path: str, body: dict, key: bytes, avoid: list):
+        """(tap, carry_on) for stream.forward: a stream whose GEN breaks goes on elsewhere."""
+        tap = migrate.StreamTap()
+
+        async def carry_on(out, problem: str) -> str | None:
+            return await migrate.carry_on(self, path, out, tap, body, key, avoid, problem)
+        return tap, carry_on
+
+    async def _prefill(self, server: Server, path: str, data: bytes) -> tuple[int, dict]:
+        server.in_flight += 1
+        t = time.time()
+        try:
+            return await upstream.post_json(self.session, server.url + path, data,
+                                            self.config.first_byte_timeout)
+        finally:
+            server.in_flight -= 1
+            self.metrics.ctx.observe(time.time() - t)
+
+    async def _generate_on(self, server: Server, request, data: bytes, tap=None,
+                           carry_on=None):
+        server.in_flight += 1
+        try:
+            t = time.time()
+            held = await upstream.open_generation(self.session, server.url + request.path, data,
+                                                  self.config.first_byte_timeout)
+            self.metrics.gen_first_byte.observe(time.time() - t)
+            try:
+                resp = await stream.forward(request, held, self.config.idle_timeout, tap, carry_on)
+            except BaseException:
+                held.response.close()    # GEN sees the connection go and aborts the request
+                raise
+            held.response.release()
+            return resp
+        finally:
+            server.in_flight -= 1
+
+    # -- health and models ----------------------------------------------------------------
+    def mark_down(self, url: str) -> None:
+        """A worker is known to be gone (its process exited): route around it at once."""
+        for pool in (self.ctx, self.gen):
+            pool.mark_down(url)
+
+    def health(self) -> tuple[dict, int]:
+        """200 while every pool has a healthy server (status "degraded" if some are down)."""
+        pools = (self.ctx, self.gen)
+        up = {p.name: [s.url for s in p.servers if s.healthy] for p in pools}
+        ok = all(up.values())
+        whole = ok and all(len(up[p.name]) == len(p.servers) for p in pools)
+        return {"status": "ok" if whole else "degraded", "healthy": up}, 200 if ok else 503
+
+    async def models(self) -> bytes | None:
+        """The first healthy generation worker's /v1/models body; None: none answered."""
+        for server in self.gen.servers:
+            if server.healthy:
+                try:
+                    async with self.session.get(server.url + "/v1/models", timeout=_PROBE) as r:
+                        if r.status != 200:   # (a worker's refusal is not the client's answer)
+                            continue
+                        return await r.read()
+                except (aiohttp.ClientError, asyncio.TimeoutError):
+                    continue
+        return None
+
+    async def _health_loop(self) -> None:
+        checks = [(pool, server) for pool in (self.ctx, self.gen) for server in pool.servers]
+        while True:
+            # Concurrently: a worker that hangs must not delay the others' verdicts.
+            await asyncio.gather(*(self._check_health(p, s) for p, s in checks))
+            await asyncio.sleep(self.config.health_check_interval)
+
+    async def _check_health(self, pool: Pool, server: Server) -> None:
+        try:
+            async with self.session.get(server.url + "/health", timeout=_PROBE) as r:
+                healthy = r.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            healthy = False
+        if healthy != server.healthy:
+            logger.info("orch: %s server %s is %s", pool.name, server.url,
+                        "up" if healthy else "down")
+        server.healthy = healthy
+
+    async def start(self) -> None:
+        # No total or read timeout here: upstream.py bounds the wait for the first byte,
+        # stream.py the gaps in a stream, however long the stream runs.
+        self.session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout),
+            connector=aiohttp.TCPConnector(limit=0),
+            # Every request to a worker: CTX, GEN, migrations, health checks, /v1/models.
+            headers={INTERNAL_HEADER: self.config.internal_secret})
+        self._health_task = asyncio.create_task(self._health_loop())
+
+    async def stop(self) -> None:
+        self._health_task.cancel()
+        await self.session.close()

@@ -1,18 +1,16 @@
-"""One client request through the cluster: CTX prefill, then GEN decode streamed back.
-
-The orchestrator decodes the client body once (to add disaggregated_params) and relays CTX's
-answer to GEN per the token relay mode; stream.py passes GEN's response bytes through.
+"""What the orchestrator sends each worker for one client request, as pure functions of the
+client's body (decoded once, never modified): the CTX request, the GEN request built from
+CTX's answer per the token relay mode, and a finished CTX answer as SSE. No I/O here:
+pools.py picks and tries the workers, stream.py passes GEN's response bytes through.
 """
 
 from __future__ import annotations
 
 import orjson
-from aiohttp import web
 
 from splitserve.engine.prompt_reads import prompt_value_readers
 from splitserve.errors import InvalidRequestError
 from splitserve.orchestrator.cluster import RELAY_MODES
-from splitserve.protocol.openai import error_body
 
 SSE = "text/event-stream"
 
@@ -86,7 +84,7 @@ def relay_mode(body: dict, default: str) -> str:
     cluster's mode (for testing and measurement). auto: length only when nothing reads
     prompt token values (engine/prompt_reads.py), else base64 int32. metadata is taken as
     asked; a generation worker refuses a request it cannot serve from the length alone."""
-    mode = body.pop("token_relay", None) or default
+    mode = body.get("token_relay") or default
     if mode not in RELAY_MODES:
         raise InvalidRequestError(f"token_relay must be one of {', '.join(RELAY_MODES)}",
                                   "token_relay")
@@ -99,7 +97,7 @@ def relay_mode(body: dict, default: str) -> str:
 
 
 def context_body(body: dict, mode: str) -> dict:
-    out = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+    out = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "token_relay")}
     out["stream"] = False
     out["disaggregated_params"] = {"request_type": "context_only", "token_relay": mode}
     return out
@@ -109,7 +107,7 @@ def generation_body(body: dict, ctx_params: dict, migratable: bool = False) -> d
     """The client's request minus its prompt (GEN takes the prompt from ctx_params, in the
     relay mode's form; a token-id prompt must not cost GEN a JSON list decode anyway).
     migratable: GEN tags its SSE events with their token ids (orchestrator/migrate.py)."""
-    out = {k: v for k, v in body.items() if k not in ("prompt", "messages")}
+    out = {k: v for k, v in body.items() if k not in ("prompt", "messages", "token_relay")}
     out["disaggregated_params"] = {**ctx_params, "request_type": "generation_only"}
     if migratable:
         out["disaggregated_params"]["stream_token_ids"] = True
@@ -135,10 +133,3 @@ def as_stream(answer: dict, include_usage: bool) -> bytes:
         out.append(b"data: " + orjson.dumps({**head, "choices": [], "usage": answer["usage"]}) + b"\n\n")
     out.append(b"data: [DONE]\n\n")
     return b"".join(out)
-
-
-def json_error(status: int, message: str, type: str = "server_error",
-               param: str | None = None, retry_after: float | None = None) -> web.Response:
-    headers = None if retry_after is None else {"Retry-After": str(max(1, round(retry_after)))}
-    return web.Response(status=status, body=error_body(message, type, param),
-                        content_type="application/json", headers=headers)

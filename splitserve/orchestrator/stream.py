@@ -11,8 +11,10 @@ import asyncio
 import logging
 
 import aiohttp
-from aiohttp import web
+import orjson
 
+from splitserve.httpd import ChunkedStream, Request, Response
+from splitserve.orchestrator.relay import SSE, as_stream
 from splitserve.orchestrator.upstream import Held
 from splitserve.protocol.openai import DONE, sse_error
 
@@ -58,8 +60,8 @@ class _IdleWatch:
         self.timer.cancel()
 
 
-async def forward(request: web.Request, held: Held, idle: float, tap=None,
-                  carry_on=None) -> web.StreamResponse:
+async def forward(request: Request, held: Held, idle: float, tap=None,
+                  carry_on=None) -> Response | ChunkedStream:
     """Copy GEN's status, content type and body to the client; GEN's connection stays the
     caller's to release. tap (migrate.StreamTap): strips and keeps the stream's token ids;
     carry_on(resp, problem): continues a stream that broke on another worker, returning the
@@ -67,20 +69,17 @@ async def forward(request: web.Request, held: Held, idle: float, tap=None,
     upstream = held.response
     ctype = upstream.headers.get("Content-Type", "application/json")
     if not held.streaming:
-        return web.Response(status=upstream.status, body=held.head, headers={"Content-Type": ctype})
-    resp = web.StreamResponse(status=upstream.status,
-                              headers={"Content-Type": ctype, "Cache-Control": "no-cache"})
-    await resp.prepare(request)
+        return Response(held.head, upstream.status, ctype)
+    resp = request.stream({"Content-Type": ctype, "Cache-Control": "no-cache"}, upstream.status)
     problem = await relay(held, resp, idle, tap.feed if tap is not None else None)
     if problem in (BROKE, ENDED) and carry_on is not None:
         problem = await carry_on(resp, problem)
     if problem is not None:
         await resp.write(sse_error(problem) + DONE)
-    await resp.write_eof()
-    return resp
+    return resp    # the server ends its chunked body
 
 
-async def relay(held: Held, resp: web.StreamResponse, idle: float, feed=None) -> str | None:
+async def relay(held: Held, resp: ChunkedStream, idle: float, feed=None) -> str | None:
     """GEN's bytes (its held head first) to the client until GEN's end, each through
     feed(bytes) -> bytes if given; what went wrong, in the client's terms."""
     last = feed(held.head) if feed is not None else held.head
@@ -108,3 +107,13 @@ async def relay(held: Held, resp: web.StreamResponse, idle: float, feed=None) ->
         logger.warning("orch: generation stream ended without [DONE]")
         return ENDED
     return None
+
+
+def ctx_answer(body: dict, status: int, answer: dict) -> Response:
+    """CTX finished the request (EOS, stop, max_tokens 1) or refused it: its answer stands,
+    as SSE if the client streams."""
+    answer.pop("disaggregated_params", None)
+    if status == 200 and body.get("stream"):
+        include = bool((body.get("stream_options") or {}).get("include_usage"))
+        return Response(as_stream(answer, include), content_type=SSE)
+    return Response(orjson.dumps(answer), status)

@@ -13,9 +13,10 @@ import msgspec
 from splitserve.errors import InvalidRequestError
 from splitserve.gc_policy import ServingGC
 from splitserve.httpd import ChunkedStream, HTTPServer, Request, Response, json_response
+from splitserve.httpd.limits import LISTEN_BACKLOG
 from splitserve.model.loader import load_model_source
 from splitserve.protocol.openai import error_body
-from splitserve.server.config import LISTEN_BACKLOG, ServerConfig
+from splitserve.server.config import ServerConfig
 from splitserve.server.engine_client import EngineClient, EngineDeadError
 from splitserve.server.generate import GenerateHandlers
 from splitserve.server.metrics import ServerMetrics

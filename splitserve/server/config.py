@@ -8,8 +8,6 @@ from splitserve.config import EngineConfig
 from splitserve.httpd.limits import HTTPLimits
 
 ROLES = ("agg", "ctx", "gen")
-# listen(2) backlog of every HTTP server here, as uvicorn and gunicorn default to
-LISTEN_BACKLOG = 2048
 
 
 @dataclass(frozen=True)

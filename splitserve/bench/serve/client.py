@@ -10,9 +10,9 @@ import aiohttp
 import msgspec
 
 from splitserve.bench import metrics as M
+from splitserve.bench.prometheus import parse_prometheus
 from splitserve.bench.serve import workloads
 from splitserve.bench.serve.workloads import Turn
-from splitserve.server.metrics import parse_prometheus
 
 
 class _Text(msgspec.Struct):
