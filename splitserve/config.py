@@ -110,10 +110,14 @@ class EngineConfig:
 def auto_dtype() -> torch.dtype:
     """bfloat16 where the CPU multiplies bfloat16 natively (AVX512-BF16 or AMX), else float32:
     without those, PyTorch's bfloat16 matmuls convert in software and run 3-7x slower than
-    float32 (measured on AVX2), so halving the bytes does not pay."""
+    float32 (measured on AVX2), so halving the bytes does not pay. The CPU flags alone do not
+    decide: ATEN_CPU_CAPABILITY=avx2 or ONEDNN_MAX_CPU_ISA=AVX2 keep PyTorch's kernels and
+    oneDNN off AVX512 on an AVX512 CPU, and then bfloat16 is as slow as on AVX2."""
     bf16 = getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
     amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
-    dtype = torch.bfloat16 if bf16 or amx else torch.float32
+    usable = (torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+              and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    dtype = torch.bfloat16 if (bf16 or amx) and usable else torch.float32
     logger.info("dtype auto -> %s (CPU capability %s, avx512_bf16 %s, amx %s)",
                 str(dtype).removeprefix("torch."), torch.backends.cpu.get_cpu_capability(), bf16, amx)
     return dtype

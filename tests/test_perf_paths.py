@@ -4,6 +4,9 @@ dtype="auto", and the fp16 / int8 quantized linears (tests/reference_model.py is
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -34,6 +37,17 @@ def test_auto_dtype_resolves_to_a_concrete_dtype():
     assert EngineConfig(dtype="auto").torch_dtype in (torch.float32, torch.bfloat16)
     assert EngineConfig(dtype="float32").torch_dtype == torch.float32
     assert EngineConfig(dtype="bfloat16").torch_dtype == torch.bfloat16
+
+
+def test_auto_dtype_is_float32_where_torch_runs_avx2():
+    """An AVX512-BF16 CPU whose PyTorch and oneDNN are held to AVX2 (what an AVX2-only
+    machine runs) computes bfloat16 in software: auto must not pick it."""
+    code = ("import torch; from splitserve.config import auto_dtype; "
+            "print(torch.backends.cpu.get_cpu_capability(), auto_dtype())")
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out == ["AVX2", "torch.float32"]
 
 
 @pytest.mark.parametrize("quant", QUANTS)
@@ -178,6 +192,20 @@ def test_packed_linear_equals_linear(dtype, tol, rows):
         for bias in (None, b):
             torch.testing.assert_close(PackedLinear(w, bias)(x), F.linear(x, w, bias),
                                        atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_engine_packs_only_what_onednn_packs_here(tiny_source, dtype):
+    """bfloat16 on AVX2 (or with ONEDNN_MAX_CPU_ISA=AVX2): no packing, plain nn.Linear."""
+    engine = EngineCore(EngineConfig(model="tiny-random", dtype=dtype, seed=0,
+                                     cache=CacheConfig(4, 32)), tiny_source)
+    model = engine.runner.model
+    assert model.packed == packing_supported(getattr(torch, dtype))
+    assert isinstance(model.layers[0].qkv_proj, PackedLinear if model.packed else torch.nn.Linear)
+    engine.add_request("a", PromptTokens(np.arange(3, 12, dtype=np.int32)),
+                       SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
 
 
 def test_engine_packs_float_weights_and_greedy_is_unchanged(tiny_source):

@@ -22,7 +22,7 @@ import torch
 
 from splitserve import placement
 from splitserve.bench.engine import plain_reference
-from splitserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from splitserve.config import CacheConfig, EngineConfig, SchedulerConfig, auto_dtype
 from splitserve.engine.core import EngineCore
 from splitserve.protocol.engine import EngineRequest
 from splitserve.sampling_params import SamplingParams
@@ -146,7 +146,8 @@ def _describe(engine: EngineCore, config: EngineConfig, args) -> dict:
 
 
 def _headline(r: dict) -> str:
-    native = "native" if r["avx512_bf16"] or r["amx"] else "no native"
+    # The flags alone mislead where ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA hold torch lower.
+    native = "native" if auto_dtype() == torch.bfloat16 else "no native"
     layout = ", packed" if r["packed_weights"] else ""
     return (f"{r['model']}: {r['quantization'] or r['dtype']}{layout} weights, dtype {r['dtype_requested']}"
             f" -> {r['dtype']}, {r['torch_threads']} threads on CPUs {r['cpus']}, "

@@ -3,10 +3,13 @@ decode throughput per dtype against the issue's targets."""
 
 from __future__ import annotations
 
+import torch
+
 from splitserve.bench.report.config import ReportConfig
-from splitserve.bench.report.machine import BACKGROUND, LoadProbe, machine, machine_line
+from splitserve.bench.report.machine import BACKGROUND, LoadProbe, machine_line
 from splitserve.bench.report.markdown import Section, commands, failed_cell, num, table
 from splitserve.bench.report.steps import STEP_ERRORS, load_json, run_inprocess, run_step, tool
+from splitserve.config import auto_dtype
 
 TARGET_PREFILL, TARGET_DECODE8 = 1500.0, 260.0
 ENGINE = "1. Engine: prefill and decode throughput"
@@ -35,7 +38,7 @@ def engine(cfg: ReportConfig) -> Section:
             continue
         d, ms = r["decode_tok_s"], r["decode_ms_step"]
         layout = ", packed weights" if r.get("packed_weights") else ""
-        rows.append([f"{name} ({r['dtype']} compute{layout})",
+        rows.append([f"{name} ({r['dtype']} compute{layout}, {r.get('cpu_capability', '?')})",
                      f"{num(r['prefill_tok_s'])} ({r['prefill_len']} tokens)",
                      *(num(d.get(b)) for b in ("1", "8", "32")),
                      " / ".join(num(ms.get(b), 0) for b in ("1", "8", "32")),
@@ -43,7 +46,9 @@ def engine(cfg: ReportConfig) -> Section:
                      _verdict(d.get("8"), TARGET_DECODE8), num(r["background"])])
     scope = "" if cfg.model is None else " (they are for the bundled model, not this one)"
     body = "\n\n".join([
-        f"Machine: {machine_line()}. `splitserve bench engine` times the engine alone, in "
+        f"Machine: {machine_line()}; PyTorch's CPU kernels run {_isa()} (the last word of "
+        "each configuration; ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA lower it). "
+        "`splitserve bench engine` times the engine alone, in "
         "one process with torch's default threads (all cores), no HTTP: prefill is one prompt "
         f"at a time; decode tok/s is the batch size over the median step time; {BACKGROUND}.",
         table(["configuration", "prefill tok/s", "decode tok/s b=1", "b=8", "b=32",
@@ -55,13 +60,23 @@ def engine(cfg: ReportConfig) -> Section:
     return Section(ENGINE, body, _engine_summary(results))
 
 
+def _isa() -> str:
+    return torch.backends.cpu.get_cpu_capability()
+
+
+def _native_bf16() -> bool:
+    """What PyTorch computes bfloat16 with here, not only what the CPU flags say: an AVX512-BF16
+    CPU held to AVX2 (ATEN_CPU_CAPABILITY=avx2) converts in software like an AVX2 one."""
+    return auto_dtype() == torch.bfloat16
+
+
 def _verdict(value, target: float) -> str:
     return "–" if value is None else ("**PASS**" if value >= target else "FAIL")
 
 
 def _engine_load(cfg: ReportConfig, name: str) -> list[str]:
     """Bounded settings: bfloat16 without native support is ~10x slower, so fewer steps."""
-    slow = name.startswith("bfloat16") and not machine()["native_bf16"]
+    slow = name.startswith("bfloat16") and not _native_bf16()
     if slow and cfg.quick:
         return ["--prefill-len", "64", "--repeats", "1", "--decode-steps", "2",
                 "--decode-prompt-len", "8", "--batch-sizes", "1,8"]
@@ -87,7 +102,7 @@ def _bf16_note(results: dict) -> str:
     else:
         why = ("this CPU has AVX2 but neither AVX512-BF16 nor AMX, so PyTorch computes "
                "bfloat16 matmuls by converting to float32 in software: halving the bytes does "
-               "not pay (`--dtype auto` picks float32 here)" if not machine()["native_bf16"]
+               "not pay (`--dtype auto` picks float32 here)" if not _native_bf16()
                else "unexpected, as this CPU computes bfloat16 natively")
         text = (f"**bfloat16 is slower than float32 on this CPU** at {' and '.join(slower)} "
                 f"(bfloat16 vs float32: {compare}); {why}. bfloat16 runs fewer, shorter steps "
