@@ -5,15 +5,19 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from splitserve.kv import TRANSPORT_MODULES
-from splitserve.model.quant import QUANTIZATIONS, quantization_supported
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Names only: torch loads where a model runs (an engine process, `bench engine`), never for a
+# process that only reads configuration (the orchestrator, `splitserve up`'s parent).
+_DTYPES = ("float32", "bfloat16", "float16")
+QUANTIZATIONS = ("int8", "fp16")   # model/quant.py: the weight paths behind each
 
 
 def _require(ok: bool, message: str) -> None:
@@ -93,26 +97,29 @@ class EngineConfig:
         if self.quantization is not None:
             _require(self.dtype in ("auto", "float32"), f"quantization {self.quantization} "
                      f"computes in float32; use dtype auto or float32, not {self.dtype}")
+            from splitserve.model.quant import quantization_supported
             _require(quantization_supported(self.quantization), f"quantization "
                      f"{self.quantization} needs PyTorch's FBGEMM kernels, which this torch lacks")
         _require(self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be >= 2")
         _require(self.num_threads is None or self.num_threads >= 1, "num_threads must be >= 1")
 
     @property
-    def torch_dtype(self) -> torch.dtype:
+    def torch_dtype(self) -> "torch.dtype":
         """The dtype activations, float weights and the KV cache are held in."""
+        import torch
         if self.quantization is not None:   # quantized matmuls take and return float32
             return torch.float32
-        return auto_dtype() if self.dtype == "auto" else _DTYPES[self.dtype]
+        return auto_dtype() if self.dtype == "auto" else getattr(torch, self.dtype)
 
 
 @functools.cache
-def auto_dtype() -> torch.dtype:
+def auto_dtype() -> "torch.dtype":
     """bfloat16 where the CPU multiplies bfloat16 natively (AVX512-BF16 or AMX), else float32:
     without those, PyTorch's bfloat16 matmuls convert in software and run 3-7x slower than
     float32 (measured on AVX2), so halving the bytes does not pay. The CPU flags alone do not
     decide: ATEN_CPU_CAPABILITY=avx2 or ONEDNN_MAX_CPU_ISA=AVX2 keep PyTorch's kernels and
     oneDNN off AVX512 on an AVX512 CPU, and then bfloat16 is as slow as on AVX2."""
+    import torch
     bf16 = getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
     amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
     usable = (torch.backends.cpu.get_cpu_capability().startswith("AVX512")

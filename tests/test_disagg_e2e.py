@@ -123,7 +123,6 @@ def test_unreachable_context_worker(cluster):
     ctx, gen, _ = cluster
     params = ctx_answer(ctx)
     dead = {**params, "kv_handle": {**params["kv_handle"], "endpoint": "tcp://127.0.0.1:9"}}
-    t0 = time.monotonic()
     status, err = generation(gen, dead)
     assert status == 500 and "could not connect" in err["error"]["message"]
     assert metrics(gen.url)["splitserve_kv_blocks_used"] == 0

@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from server_utils import (UpCluster, alive, descendants, metrics, wait_for, answers_health,
+from server_utils import (UpCluster, descendants, metrics, wait_for, answers_health,
                           wait_kv_free)
 
 pytestmark = pytest.mark.bundled

@@ -14,7 +14,9 @@ from splitserve.orchestrator.cluster import ClusterConfig, PoolConfig
 
 def test_orchestrator_imports_no_torch():
     # A proxy: torch would cost it a second or more of start-up and memory for nothing.
-    code = "import splitserve.orchestrator.app, sys; assert 'torch' not in sys.modules, 'torch'"
+    # Also the command line it runs under: `splitserve orchestrator` and `up`'s parent.
+    code = ("import sys, splitserve.orchestrator.app, splitserve.orchestrator.up, splitserve.cli; "
+            "splitserve.cli.build_parser(); assert 'torch' not in sys.modules, 'torch'")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
 

@@ -14,14 +14,14 @@ import torch
 import torch.nn.functional as F
 
 from reference_model import ReferenceModel, rms_norm, rope_cos_sin, rotate_half
-from splitserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from splitserve.config import QUANTIZATIONS, CacheConfig, EngineConfig, SchedulerConfig
 from splitserve.engine.core import EngineCore
 from splitserve.model.attention import _gather, build_metadata
 from splitserve.model.config import RopeScaling
 from splitserve.model.llama import RMSNorm, Rotary, _rotate_, build_model
 from splitserve.model.loader import ModelSource
 from splitserve.model.packed import PackedLinear, packing_supported
-from splitserve.model.quant import QUANTIZATIONS, quantization_supported
+from splitserve.model.quant import quantization_supported
 from splitserve.sampling_params import SamplingParams
 from splitserve.tokens import PromptTokens
 from engine_requests import add_request
@@ -202,8 +202,8 @@ def test_engine_packs_only_what_onednn_packs_here(tiny_source, dtype):
     model = engine.runner.model
     assert model.packed == packing_supported(getattr(torch, dtype))
     assert isinstance(model.layers[0].qkv_proj, PackedLinear if model.packed else torch.nn.Linear)
-    engine.add_request("a", PromptTokens(np.arange(3, 12, dtype=np.int32)),
-                       SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    add_request(engine, "a", PromptTokens(np.arange(3, 12, dtype=np.int32)),
+                SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     while engine.has_unfinished_requests():
         engine.step()
 

@@ -18,9 +18,9 @@ import warnings
 import torch
 from torch import nn
 
+from splitserve.config import QUANTIZATIONS
 from splitserve.model.linear import replace_linears
 
-QUANTIZATIONS = ("int8", "fp16")
 
 # PyTorch 2.13 deprecates creating qint8 tensors; FBGEMM's int8 prepack still takes one. We
 # make one per weight at load time, so the warning says nothing a user can act on.

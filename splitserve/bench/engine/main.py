@@ -16,17 +16,18 @@ import os
 import platform
 import statistics
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from splitserve import placement
-from splitserve.bench.engine import plain_reference
 from splitserve.config import CacheConfig, EngineConfig, SchedulerConfig, auto_dtype
-from splitserve.engine.core import EngineCore
 from splitserve.protocol.engine import EngineRequest
 from splitserve.sampling_params import SamplingParams
 from splitserve.tokens import PromptTokens
+
+if TYPE_CHECKING:
+    from splitserve.engine.core import EngineCore
 
 
 def _prompt(rng, n: int, vocab: int) -> PromptTokens:
@@ -88,6 +89,7 @@ def bench_decode(engine: EngineCore, batch: int, steps: int, prompt_len: int, rn
 
 
 def _machine() -> dict:
+    import torch
     return {"cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "avx512_bf16": getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)(),
             "amx": getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)(),
@@ -103,6 +105,9 @@ def place(args) -> None:
 
 
 def run(args) -> dict:
+    # The model's imports (torch) load here, not when `splitserve` builds its command line.
+    from splitserve.bench.engine import plain_reference
+    from splitserve.engine.core import EngineCore
     config = EngineConfig(model=args.model, dtype=args.dtype, quantization=args.quantization,
                           pack_weights=not args.no_pack_weights,
                           num_threads=args.threads, seed=0,
@@ -147,6 +152,7 @@ def _describe(engine: EngineCore, config: EngineConfig, args) -> dict:
 
 def _headline(r: dict) -> str:
     # The flags alone mislead where ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA hold torch lower.
+    import torch
     native = "native" if auto_dtype() == torch.bfloat16 else "no native"
     layout = ", packed" if r["packed_weights"] else ""
     return (f"{r['model']}: {r['quantization'] or r['dtype']}{layout} weights, dtype {r['dtype_requested']}"

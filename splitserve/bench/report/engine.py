@@ -3,8 +3,6 @@ decode throughput per dtype against the issue's targets."""
 
 from __future__ import annotations
 
-import torch
-
 from splitserve.bench.report.config import ReportConfig
 from splitserve.bench.report.machine import BACKGROUND, LoadProbe, machine_line
 from splitserve.bench.report.markdown import Section, commands, failed_cell, num, table
@@ -61,12 +59,14 @@ def engine(cfg: ReportConfig) -> Section:
 
 
 def _isa() -> str:
+    import torch
     return torch.backends.cpu.get_cpu_capability()
 
 
 def _native_bf16() -> bool:
     """What PyTorch computes bfloat16 with here, not only what the CPU flags say: an AVX512-BF16
     CPU held to AVX2 (ATEN_CPU_CAPABILITY=avx2) converts in software like an AVX2 one."""
+    import torch
     return auto_dtype() == torch.bfloat16
 
 
