@@ -32,7 +32,7 @@ _MAX_HANDLE_STR = 1024
 
 class KVHandle(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     """Where a GEN worker pulls a context request's KV from."""
-    backend: str                 # "tcp" | "nixl"
+    backend: str                 # "tcp" | "nixl" | "none": a name in kv/__init__.py
     endpoint: str                # the CTX engine's KV server
     ctx_request_id: str
     layout: str                  # kv.base.layout_fingerprint() of the CTX engine
