@@ -19,16 +19,18 @@ import re
 import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
 from splitserve.errors import ModelLoadError
 from splitserve.model.config import ModelConfig
 from splitserve.model.tokenizer import Tokenizer, tokenizer_from_gguf_metadata
+
+if TYPE_CHECKING:   # torch loads with the weights: a front-end reads config and tokenizer only
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -226,6 +228,7 @@ def _read_tensor(mm, info: GGUFTensorInfo) -> torch.Tensor:
     byte_shape = (*info.shape[:-1], info.shape[-1] // block_size * type_size)
     raw = np.frombuffer(mm, np.uint8, int(np.prod(byte_shape)), info.offset).reshape(byte_shape)
     # dequantize returns a fresh float32 array except for F32, which is a view of the map.
+    import torch
     values = np.array(dequantize(raw, info.qtype), dtype=np.float32, copy=True)
     return torch.from_numpy(values.reshape(info.shape))
 

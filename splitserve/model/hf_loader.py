@@ -11,15 +11,17 @@ import json
 import logging
 import os
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import safetensors
-import safetensors.torch
 import tokenizers
-import torch
 
 from splitserve.errors import ModelLoadError
 from splitserve.model.config import ModelConfig, RopeScaling
 from splitserve.model.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +29,7 @@ _ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
                   "Qwen2ForCausalLM": "qwen2"}
 _HF_CLASSES = {arch: cls for cls, arch in _ARCHITECTURES.items()}
 _INDEX = "model.safetensors.index.json"
-WeightsFn = Callable[[], Iterator[tuple[str, torch.Tensor]]]
+WeightsFn = Callable[[], Iterator[tuple[str, "torch.Tensor"]]]
 
 
 def _read_json(path: str, required: bool = True) -> dict:
@@ -211,6 +213,7 @@ def save_hf_folder(source, folder: str, max_shard_bytes: int = 2 * 1024**3) -> N
 
 
 def _write_shards(folder: str, shards: list[dict[str, torch.Tensor]]) -> None:
+    import safetensors.torch
     if len(shards) == 1:
         safetensors.torch.save_file(shards[0], os.path.join(folder, "model.safetensors"),
                                     metadata={"format": "pt"})

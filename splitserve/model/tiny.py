@@ -10,12 +10,14 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Iterator
-
-import torch
+from typing import TYPE_CHECKING
 
 from splitserve.model.config import ModelConfig
 from splitserve.model.gguf_loader import load_gguf_tokenizer
 from splitserve.model.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    import torch
 
 TINY_NAME = "tiny-random"
 _SEED = 0
@@ -39,6 +41,7 @@ def tiny_tokenizer(gguf_path: str) -> Tokenizer:
 
 
 def _random(gen: torch.Generator, shape: tuple[int, ...], std: float) -> torch.Tensor:
+    import torch
     return torch.randn(shape, generator=gen) * std
 
 
@@ -50,6 +53,7 @@ def tiny_weights(cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     hidden state stays close to the current token's embedding, so ones would make greedy
     decoding repeat the last token forever; random per-channel gains break that symmetry.
     """
+    import torch
     gen = torch.Generator().manual_seed(_SEED)
     d, f, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
     yield "model.embed_tokens.weight", _random(gen, (cfg.vocab_size, d), 1.0)

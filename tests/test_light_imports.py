@@ -1,0 +1,17 @@
+"""The worker front-end and the orchestrator load no torch: only an engine process does.
+torch costs a process about a second of start-up and a few hundred MB it never uses."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+
+def test_worker_front_end_imports_no_torch():
+    # The front-end loads the model's config and tokenizer, never its weights.
+    code = ("import sys; from splitserve.model.loader import load_model_source; "
+            "import splitserve.server.app; source = load_model_source('tiny-random'); "
+            "assert source.tokenizer.encode('hi') and source.config.num_layers; "
+            "assert 'torch' not in sys.modules, 'torch'")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
