@@ -136,9 +136,9 @@ def _serve(args) -> int:
     from splitserve.server.app import serve
     plan = _place_worker(args)
     config = server_config(args, plan.engine_threads)
-    logging.getLogger(__name__).info(
-        "%s:%d: %s, dtype %s", args.role, args.port, plan.describe(),
-        str(config.engine.torch_dtype).removeprefix("torch."))
+    # The resolved dtype is logged once the engine is ready ("serving <model> (<dtype>)"):
+    # resolving auto needs torch, which only the engine process loads.
+    logging.getLogger(__name__).info("%s:%d: %s", args.role, args.port, plan.describe())
     serve(config)
     return 0
 

@@ -11,6 +11,8 @@ def test_worker_front_end_imports_no_torch():
     # The front-end loads the model's config and tokenizer, never its weights.
     code = ("import sys; from splitserve.model.loader import load_model_source; "
             "import splitserve.server.app; source = load_model_source('tiny-random'); "
+            "from splitserve import cli; cli.server_config(cli.build_parser().parse_args("
+            "['serve', '--model', 'tiny-random']), 1); "
             "assert source.tokenizer.encode('hi') and source.config.num_layers; "
             "assert 'torch' not in sys.modules, 'torch'")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
