@@ -14,7 +14,8 @@
 #    the model (inductor) and takes minutes on 2 cores; the server is up when
 #    `curl -s 127.0.0.1:PORT/v1/models` answers.
 #
-# Then, with `splitserve serve --dtype float32` on :8000:
+# `splitserve bench report --vllm-venv VENV` runs this script and the comparison below as a
+# section of docs/benchmarks.md. By hand, with `splitserve serve --dtype float32` on :8000:
 #   splitserve bench serve --url http://127.0.0.1:8000 --name splitserve \
 #     --compare vllm=http://127.0.0.1:8100 --concurrency 1,8 --input-len 128 \
 #     --output-len 64 --num-requests 16 --warmup 2 --out compare.json

@@ -33,7 +33,8 @@ def test_report_on_the_tiny_model(tmp_path):
                  "--frontend-args", "--isl 64 --concurrency 2 --requests 8 --duration 5"]) == 0
     page = out.read_text()
 
-    titles = [title for title, _ in report.SECTIONS] + ["5. How to regenerate"]
+    titles = [f"{i}. {title}" for i, title in enumerate(
+        [title for title, _ in report.SECTIONS] + [report.HOWTO], 1)]
     assert re.findall(r"^## (.+)$", page, re.M) == titles
     assert "FAILED" not in page and "failed:" not in page and "missing" not in page
     assert re.search(r"\*\*Summary\.\*\* .*prefills .* tok/s", page)

@@ -18,6 +18,7 @@ class ReportConfig:
     results_dir: str = "bench-results"
     frontend_args: tuple[str, ...] = ()
     start_timeout: float = 300.0        # seconds for a server to answer /health
+    vllm_venv: str | None = None        # a virtualenv for CPU vLLM (reference.py); None: skip
     command: str = "splitserve bench report"
 
     def __post_init__(self):

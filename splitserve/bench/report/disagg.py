@@ -1,4 +1,4 @@
-"""Section 3 of `splitserve bench report`: one aggregated worker against a CTX + GEN pair on
+"""A section of `splitserve bench report`: one aggregated worker against a CTX + GEN pair on
 the same open-loop mixed workload, short chats while long prompts prefill."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from splitserve.bench.report.steps import (STEP_ERRORS, Service, free_port, load
 from splitserve.bench.report.worker import bench_serve_cmd, error_counts, worker_cmd
 
 MIXED_SEED = 22       # full run: long prompts are requests 6 and 15 of 20; quick: 6 of 8
-DISAGG = "3. Aggregated vs disaggregated: short chats while long prompts prefill"
+DISAGG = "Aggregated vs disaggregated: short chats while long prompts prefill"
 
 
 def disagg(cfg: ReportConfig) -> Section:

@@ -1,16 +1,16 @@
-"""Section 1 of `splitserve bench report`: the engine alone (`bench engine`), prefill and
+"""A section of `splitserve bench report`: the engine alone (`bench engine`), prefill and
 decode throughput per dtype against the issue's targets."""
 
 from __future__ import annotations
 
 from splitserve.bench.report.config import ReportConfig
-from splitserve.bench.report.machine import BACKGROUND, LoadProbe, machine_line
+from splitserve.bench.report.machine import BACKGROUND, LoadProbe, machine_line, torch_isa
 from splitserve.bench.report.markdown import Section, commands, failed_cell, num, table
 from splitserve.bench.report.steps import STEP_ERRORS, load_json, run_inprocess, run_step, tool
 from splitserve.config import auto_dtype
 
 TARGET_PREFILL, TARGET_DECODE8 = 1500.0, 260.0
-ENGINE = "1. Engine: prefill and decode throughput"
+ENGINE = "Engine: prefill and decode throughput"
 
 
 def engine(cfg: ReportConfig) -> Section:
@@ -44,7 +44,7 @@ def engine(cfg: ReportConfig) -> Section:
                      _verdict(d.get("8"), TARGET_DECODE8), num(r["background"])])
     scope = "" if cfg.model is None else " (they are for the bundled model, not this one)"
     body = "\n\n".join([
-        f"Machine: {machine_line()}; PyTorch's CPU kernels run {_isa()} (the last word of "
+        f"Machine: {machine_line()}; PyTorch's CPU kernels run {torch_isa()} (the last word of "
         "each configuration; ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA lower it). "
         "`splitserve bench engine` times the engine alone, in "
         "one process with torch's default threads (all cores), no HTTP: prefill is one prompt "
@@ -56,11 +56,6 @@ def engine(cfg: ReportConfig) -> Section:
         f"model on this machine: decode at batch 8 ≥ 260 tok/s, prefill ≥ 1,500 tok/s{scope}.",
         _bf16_note(results), _reference_note(results), commands(cmds)])
     return Section(ENGINE, body, _engine_summary(results))
-
-
-def _isa() -> str:
-    import torch
-    return torch.backends.cpu.get_cpu_capability()
 
 
 def _native_bf16() -> bool:

@@ -1,4 +1,4 @@
-"""Section 4 of `splitserve bench report`: the GEN front-end's cost per token relay mode
+"""A section of `splitserve bench report`: the GEN front-end's cost per token relay mode
 (`bench frontend`) against the issue's targets."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from splitserve.bench.report.config import ReportConfig
 from splitserve.bench.report.markdown import Section, commands, num, table
 from splitserve.bench.report.steps import StepFailed, load_json, run_inprocess, run_step, tool
 
-FRONTEND = "4. Token relay: the GEN front-end's cost per relay mode"
+FRONTEND = "Token relay: the GEN front-end's cost per relay mode"
 
 
 def frontend(cfg: ReportConfig) -> Section:

@@ -51,6 +51,12 @@ def speed_probe(seconds: float = 0.5) -> float:
     return 2 * 512 * 576 * 3072 * n / elapsed / 1e9
 
 
+def torch_isa() -> str:
+    """The instruction set PyTorch's CPU kernels run at here (AVX2, AVX512, ...)."""
+    import torch
+    return torch.backends.cpu.get_cpu_capability()
+
+
 def machine_line() -> str:
     m = machine()
     bf16 = "yes" if m["native_bf16"] else "no (no AVX512-BF16, no AMX)"

@@ -7,7 +7,7 @@ counts, --duration, a subprocess timeout); a step that fails is written into the
 failure with its error, and the report goes on. Servers run in their own process group and
 are stopped with SIGINT (SIGKILL of the group if they hang) in a `finally`: nothing is left
 running (steps.py). Each section is a module of its own: engine.py, worker.py, disagg.py,
-frontend.py.
+frontend.py, reference.py (against CPU vLLM, with --vllm-venv).
 """
 
 from __future__ import annotations
@@ -24,12 +24,15 @@ from splitserve.bench.report.frontend import FRONTEND, frontend
 from splitserve.bench.report.machine import (LoadProbe, git_commit, machine, machine_line,
                                               speed_probe)
 from splitserve.bench.report.markdown import Section, failed, shown
+from splitserve.bench.report.reference import REFERENCE, reference
 from splitserve.bench.report.steps import StepFailed, run_inprocess, tool
 from splitserve.bench.report.worker import WORKER, worker
 
-SECTIONS = ((ENGINE, engine), (WORKER, worker), (DISAGG, disagg), (FRONTEND, frontend))
+SECTIONS = ((ENGINE, engine), (WORKER, worker), (DISAGG, disagg), (FRONTEND, frontend),
+            (REFERENCE, reference))
 
 
+HOWTO = "How to regenerate"
 SPEED_NOTE = ("a fixed float32 matmul, the same work on every run: compare it across runs "
               "before comparing their numbers")
 
@@ -52,10 +55,12 @@ def howto(cfg: ReportConfig, elapsed: float) -> Section:
         explain = run_inprocess(tool("bench", "serve", "--explain")).strip()
     except StepFailed as exc:
         explain = f"(`splitserve bench serve --explain` failed: {exc})"
-    return Section("5. How to regenerate", "\n\n".join([
+    return Section(HOWTO, "\n\n".join([
         "```bash\nbash scripts/benchmarks.sh            # runs: splitserve bench report\n"
         "bash scripts/benchmarks.sh --quick    # ~2 min smoke test, written under "
-        "bench-results/quick/\n```",
+        "bench-results/quick/\n"
+        "bash scripts/benchmarks.sh --vllm-venv VENV   # also against CPU vLLM (installed in "
+        "VENV)\n```",
         f"This page was written by `{cfg.command}` in {elapsed / 60:.1f} min on the machine "
         "above (the full report is meant to take at most about 15 min on 2 cores). Each "
         f"step's JSON is kept under `{cfg.results_dir}/`, its output under "
@@ -79,6 +84,8 @@ def add_arguments(p) -> None:
                    "e.g. a smaller grid: '--isl 1k --concurrency 8'")
     p.add_argument("--start-timeout", type=float, default=300.0,
                    help="seconds a server may take to become healthy")
+    p.add_argument("--vllm-venv", default=None, help="add the section against CPU vLLM, "
+                   "installed into this virtualenv on first use (scripts/vllm_reference.sh)")
     p.set_defaults(func=run)     # `splitserve bench report` runs run(args)
 
 
@@ -90,13 +97,14 @@ def config_from_args(args) -> ReportConfig:
         img_dir=args.img_dir or (f"{base}/img" if base else "docs/img"),
         results_dir=args.results_dir or base or "bench-results",
         frontend_args=tuple(shlex.split(args.frontend_args)), start_timeout=args.start_timeout,
-        command=_command(args))
+        vllm_venv=args.vllm_venv, command=_command(args))
 
 
 def _command(args) -> str:
     """The report's own command line, as the page cites it."""
     cmd = tool("bench", "report") + (["--quick"] if args.quick else [])
-    for name in ("model", "dtype", "out", "img_dir", "results_dir", "frontend_args"):
+    for name in ("model", "dtype", "out", "img_dir", "results_dir", "frontend_args",
+                 "vllm_venv"):
         if getattr(args, name):
             cmd += [f"--{name.replace('_', '-')}", getattr(args, name)]
     return shown(cmd)
@@ -126,7 +134,7 @@ def run(args) -> int:
     elapsed = time.monotonic() - t0
     sections.append(howto(cfg, elapsed))
     page = header(cfg, sections, whole.cores(), commit) + "".join(
-        f"\n## {s.title}\n\n{s.body.strip()}\n" for s in sections)
+        f"\n## {i}. {s.title}\n\n{s.body.strip()}\n" for i, s in enumerate(sections, 1))
     with open(cfg.out, "w") as f:
         f.write(page)
     print(f"wrote {cfg.out} in {elapsed / 60:.1f} min", file=sys.stderr)

@@ -36,6 +36,8 @@ def tool(*args: str) -> list[str]:
 
 def _argv(cmd: list[str]) -> list[str]:
     # The report's own interpreter and checkout, whatever `splitserve` is first on PATH.
+    if cmd[0] != "splitserve":        # another server (reference.py's vLLM), as given
+        return cmd
     return [sys.executable, "-m", "splitserve.cli", *cmd[1:]]
 
 

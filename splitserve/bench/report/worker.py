@@ -1,6 +1,6 @@
-"""Section 2 of `splitserve bench report`: one `splitserve serve` worker under closed-loop
-`bench serve` load at a few concurrencies; also the worker and load commands section 3
-uses."""
+"""A section of `splitserve bench report`: one `splitserve serve` worker under closed-loop
+`bench serve` load at a few concurrencies; also the worker and load commands the disaggregated
+section uses."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from splitserve.bench.report.markdown import Section, commands, failed_cell, num
 from splitserve.bench.report.steps import (STEP_ERRORS, Service, free_port, load_json, plot_step,
                                            run_step, tool)
 
-WORKER = "2. One worker: latency and throughput against concurrency"
+WORKER = "One worker: latency and throughput against concurrency"
 
 
 def worker(cfg: ReportConfig) -> Section:
