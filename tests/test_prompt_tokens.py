@@ -11,7 +11,7 @@ from splitserve.orchestrator.cluster import ClusterConfig, Server
 from splitserve.orchestrator.decide import Decider
 from splitserve.orchestrator.kv_index import Held
 from splitserve.orchestrator.metrics import OrchestratorMetrics
-from splitserve.orchestrator.prompt_tokens import PromptTokenizer
+from splitserve.orchestrator.prompt_tokens import PromptTokenizer, text_bound
 
 TEXTS = ["", "a", "Hello, world!", "héllo wörld " * 20, "日本語のテキスト" * 30, "🙂🚀" * 40,
          "   spaces   and\ttabs\n\n", "<|im_start|>user\nhi<|im_end|>" * 5]
@@ -25,7 +25,9 @@ def counter():
 @pytest.mark.parametrize("text", TEXTS)
 def test_the_byte_bound_is_never_below_the_token_count(counter, text):
     ids = counter.token_ids({"prompt": text})
-    assert ids is not None and len(ids) <= PromptTokenizer.upper_bound({"prompt": text})
+    assert ids is not None and len(ids) <= text_bound(text)
+    assert PromptTokenizer.surely_within({"prompt": text}, text_bound(text))
+    assert not PromptTokenizer.surely_within({"prompt": text}, text_bound(text) - 1)
 
 
 def test_token_ids_are_the_workers(counter):
@@ -44,9 +46,10 @@ def test_token_ids_are_the_workers(counter):
 
 
 def test_what_cannot_be_counted_is_none(counter):
-    assert PromptTokenizer.upper_bound({"messages": [{"role": "user", "content": "x"}]}) is None
-    assert PromptTokenizer.upper_bound({"prompt": ["a", "b"]}) is None
-    assert PromptTokenizer.upper_bound({"prompt": [1, 2, 3]}) == 3
+    within = PromptTokenizer.surely_within
+    assert not within({"messages": [{"role": "user", "content": "x"}]}, 1000)
+    assert not within({"prompt": ["a", "b"]}, 1000)
+    assert within({"prompt": [1, 2, 3]}, 3) and not within({"prompt": [1, 2, 3]}, 2)
     for body in ({"prompt": ["a", "b"]}, {"prompt": [1, "x"]}, {"prompt": [2**40]},
                  {"messages": [{"role": "nobody"}]}, {"messages": "hi"}):
         assert counter.token_ids(body) is None

@@ -84,8 +84,7 @@ class Decider:
                            index=self.index)
         if relay.needs_aggregated(body):
             return Plan(True, "needs_aggregated", info)
-        bound = self.tokens.upper_bound(body)
-        if self.threshold and bound is not None and bound <= self.threshold:
+        if self.threshold and self.tokens.surely_within(body, self.threshold):
             return Plan(True, "short_prompt", info)
         if self.threshold or self.index is not None:
             await self._tokenize(body, info)

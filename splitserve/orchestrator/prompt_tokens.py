@@ -22,6 +22,11 @@ SPECIAL_TOKENS_BOUND = 2
 _CHAT_FIELDS = ("messages", "add_generation_prompt", "chat_template_kwargs")
 
 
+def text_bound(text: str) -> int:
+    """At least as many tokens as the worker's tokenizer makes of text."""
+    return len(text.encode("utf-8", "surrogatepass")) + SPECIAL_TOKENS_BOUND
+
+
 def single_prompt(body: dict):
     """A completion body's one prompt (str or list of ids), else None (chat, a batch)."""
     prompt = body.get("prompt")
@@ -40,13 +45,14 @@ class PromptTokenizer:
         self.tokenizer = load_model_source(model).tokenizer if model else None
 
     @staticmethod
-    def upper_bound(body: dict) -> int | None:
-        """At least as many tokens as the prompt has, known without tokenizing; None when
-        it cannot be known cheaply (chat messages, a batch of prompts)."""
+    def surely_within(body: dict, limit: int) -> bool:
+        """The prompt has at most `limit` tokens, known without tokenizing: a token-id
+        prompt by its length, a text prompt by text_bound. At most O(limit) work: a text of
+        more characters than that has more bytes too, and is not encoded to find out."""
         prompt = single_prompt(body)
         if isinstance(prompt, str):
-            return len(prompt.encode("utf-8", "surrogatepass")) + SPECIAL_TOKENS_BOUND
-        return None if prompt is None else len(prompt)
+            return len(prompt) + SPECIAL_TOKENS_BOUND <= limit and text_bound(prompt) <= limit
+        return prompt is not None and len(prompt) <= limit
 
     def token_ids(self, body: dict) -> np.ndarray | None:
         """The prompt's token ids as the worker computes them (blocking: run it in a
