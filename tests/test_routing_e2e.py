@@ -108,21 +108,22 @@ def kv_blocks(url, **headers) -> tuple[int, dict]:
     return status, body
 
 
-def holds(url, prompt) -> bool:
-    """The worker reports every full block of prompt in its prefix cache."""
+def held_by(url, prompt) -> int | None:
+    """How many hashes the worker reports, once they include every full block of prompt."""
     body = kv_blocks(url)[1]
     raw = base64.b64decode(body["hashes"])
     held = {raw[i:i + 16] for i in range(0, len(raw), 16)}
-    return set(chain_hashes(b"", np.array(prompt, dtype=np.int32), BLOCK)) <= held
+    whole = set(chain_hashes(b"", np.array(prompt, dtype=np.int32), BLOCK)) <= held
+    return len(held) if whole else None
 
 
 def seed(worker, orch, prompt):
-    """worker prefills prompt (sent to it whole) and orch has read that it holds it."""
-    updates = metrics(orch.url).get("splitserve_orchestrator_kv_index_updates_total", 0.0)
+    """worker prefills prompt (sent to it whole) and orch has read the report saying so."""
     direct(worker.url, "/v1/completions", completion(prompt))
-    wait_for(lambda: holds(worker.url, prompt), 10, "the worker reports the prompt")
-    wait_for(lambda: metrics(orch.url)["splitserve_orchestrator_kv_index_updates_total"]
-             > updates, 10, "the orchestrator reads the report")
+    wait_for(lambda: held_by(worker.url, prompt) is not None, 10, "the worker reports it")
+    n = held_by(worker.url, prompt)      # no other request runs: this report stays
+    key = f'splitserve_orchestrator_kv_index_blocks{{server="{worker.url}"}}'
+    wait_for(lambda: metrics(orch.url).get(key) == n, 10, "the orchestrator reads it")
 
 
 def test_kv_blocks_is_internal_and_answers_unchanged(workers):

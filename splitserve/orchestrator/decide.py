@@ -16,21 +16,18 @@ reads them. Tokenizing runs in a thread, never on the event loop."""
 from __future__ import annotations
 
 import asyncio
-import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import aiohttp
 
 from splitserve.errors import InvalidRequestError
-from splitserve.metrics import Counter
+from splitserve.metrics import Counter, Gauge
 from splitserve.orchestrator import relay
 from splitserve.orchestrator.cluster import ClusterConfig, Server
 from splitserve.orchestrator.kv_index import KVIndex
 from splitserve.orchestrator.prompt_tokens import PromptTokenizer, block_hashes
 from splitserve.orchestrator.routers import RequestInfo, uses_kv_index
-
-logger = logging.getLogger(__name__)
 
 SESSION_HEADER = "X-Session-Id"
 MAX_SESSION_CHARS = 256
@@ -69,9 +66,9 @@ class Decider:
             "splitserve_orchestrator_prefill_total",
             "Requests by where their prompt was prefilled (ctx, or gen: sent whole) and why",
             ("where", "reason")))
-        self.index_updates = metrics.registry.register(Counter(
-            "splitserve_orchestrator_kv_index_updates_total",
-            "Workers' cached-block reports read that changed what they hold"))
+        self.index_blocks = metrics.registry.register(Gauge(
+            "splitserve_orchestrator_kv_index_blocks",
+            "Cached blocks each worker reported holding, as last read", ("server",)))
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="orch-tokenize")
 
     async def plan(self, request, body: dict, gen_servers: list[Server]) -> Plan:
@@ -86,7 +83,7 @@ class Decider:
             return Plan(True, "needs_aggregated", info)
         if self.threshold and self.tokens.surely_within(body, self.threshold):
             return Plan(True, "short_prompt", info)
-        if self.threshold or self.index is not None:
+        if self.index is not None:    # (kept whenever the threshold is set)
             await self._tokenize(body, info)
         if not self.threshold:
             return Plan(False, "off", info)
@@ -125,8 +122,12 @@ class Decider:
             return
         while True:
             wanted = [p for p, on in ((pools.ctx, self.poll_ctx), (pools.gen, self.poll_gen)) if on]
-            await self.index.poll(session, [s.url for p in wanted for s in p.servers if s.healthy])
-            self.index_updates.set_total(self.index.updates)
+            gone = await self.index.poll(session, [s.url for p in wanted
+                                                   for s in p.servers if s.healthy])
+            for url in gone:
+                self.index_blocks.labels(url).set(0)
+            for url, held in self.index.held.items():
+                self.index_blocks.labels(url).set(len(held.hashes))
             await asyncio.sleep(self.interval)
 
     def close(self) -> None:

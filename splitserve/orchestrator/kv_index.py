@@ -2,23 +2,20 @@
 (server/kv_blocks.py): what the KV-aware router and the local-prefill decision read.
 
 Polled, not pushed: a worker that goes away just stops being read (its entry is dropped
-with it), and a stale answer costs a cache miss, never a wrong output (the engine checks
-every hash it reuses)."""
+with it), and a stale answer costs a cache miss, never a wrong output (the index only
+chooses where a request goes; the worker finds its own prefix hits)."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
 import binascii
-import logging
 from dataclasses import dataclass
 
 import aiohttp
 import orjson
 
 from splitserve.server.kv_blocks import PATH
-
-logger = logging.getLogger(__name__)
 
 HASH_BYTES = 16
 # A worker reports at most 16,384 hashes (engine/kv_report.py): ~350 KB of JSON. More is
@@ -37,7 +34,6 @@ class Held:
 class KVIndex:
     def __init__(self):
         self.held: dict[str, Held] = {}
-        self.updates = 0      # reports read that changed what a worker holds
 
     def block_sizes(self) -> set[int]:
         return {h.block_size for h in self.held.values() if h.block_size}
@@ -55,11 +51,13 @@ class KVIndex:
             n += 1
         return n * held.block_size
 
-    async def poll(self, session: aiohttp.ClientSession, urls: list[str]) -> None:
-        """Read every url's report (concurrently); forget urls no longer listed."""
-        for gone in set(self.held) - set(urls):
-            del self.held[gone]
+    async def poll(self, session: aiohttp.ClientSession, urls: list[str]) -> set[str]:
+        """Read every url's report (concurrently); forget urls no longer listed (returned)."""
+        gone = set(self.held) - set(urls)
+        for url in gone:
+            del self.held[url]
         await asyncio.gather(*(self._read(session, url) for url in urls))
+        return gone
 
     async def _read(self, session: aiohttp.ClientSession, url: str) -> None:
         known = self.held.get(url)
@@ -75,7 +73,6 @@ class KVIndex:
         held = parse_report(body)
         if held is not None:
             self.held[url] = held
-            self.updates += 1
 
 
 def parse_report(body) -> Held | None:
