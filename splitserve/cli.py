@@ -229,6 +229,10 @@ def build_parser() -> argparse.ArgumentParser:
     upp.add_argument("--kv-cache-gib", type=float, default=1.0)
     upp.add_argument("--ctx-router", default="prefix_aware")
     upp.add_argument("--gen-router", default="least_loaded")
+    upp.add_argument("--local-prefill-max-tokens", type=int, default=0,
+                     help="prompts of at most this many tokens (or all but this many cached "
+                          "on a generation worker) are prefilled there, skipping the context "
+                          "worker and the KV transfer (default 0: off)")
     upp.add_argument("--start-timeout", type=float, default=600.0)
     upp.add_argument("--max-in-flight", type=int, default=None,
                      help="requests served at once; past it, 503 with Retry-After at once "

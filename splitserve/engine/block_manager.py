@@ -10,6 +10,8 @@ out with a few numpy operations rather than one Python step per block.
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from splitserve.engine.free_block_queue import FreeBlockQueue
@@ -37,6 +39,9 @@ class BlockManager:
         self.cached: dict[bytes, int] = {}
         self.prefix_queries = 0
         self.prefix_hits = 0
+        # Bumped whenever `cached` gains or loses a hash: a report of the cached hashes
+        # (engine/kv_report.py) is sent only when this moved.
+        self.cache_version = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -97,6 +102,14 @@ class BlockManager:
                 self.block_hash[block] = h
                 self._hashed[block] = True
                 self.cached[h] = block
+                self.cache_version += 1
+
+    def newest_cached_hashes(self, limit: int) -> list[bytes]:
+        """Up to `limit` cached hashes, the most recently cached ones (dicts keep insertion
+        order): what a router can count on finding here a little later."""
+        if len(self.cached) <= limit:
+            return list(self.cached)
+        return list(itertools.islice(reversed(self.cached), limit))
 
     # -- allocation -----------------------------------------------------------------------
     def allocate(self, req: Request, num_new_tokens: int,
@@ -134,6 +147,7 @@ class BlockManager:
     def _evict(self, blocks: np.ndarray) -> None:
         """Forget the prefixes these blocks hold: their KV is about to be overwritten."""
         self._hashed[blocks] = False
+        self.cache_version += 1
         for block in blocks.tolist():
             del self.cached[self.block_hash[block]]
             self.block_hash[block] = None

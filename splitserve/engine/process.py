@@ -22,6 +22,7 @@ import zmq
 from splitserve import envs, placement
 from splitserve.config import EngineConfig
 from splitserve.engine.core import EngineCore
+from splitserve.engine.kv_report import CacheReporter
 from splitserve.errors import InvalidRequestError
 from splitserve.protocol.engine import (
     AbortRequests, AddRequests, CompletionDelta, EngineDead, EngineInput, EngineOutputs,
@@ -96,6 +97,7 @@ def _step_loop(engine: EngineCore, in_q: queue.Queue, out_q: queue.Queue, parent
     every `heartbeat` seconds (after a step), so the front-end can tell a stuck engine (its
     step count stands still while it holds work) from a quiet one."""
     last_stats, steps, next_beat = None, 0, 0.0
+    cache_report = CacheReporter(engine.block_manager)
     while True:
         busy = engine.has_runnable_work()
         try:
@@ -120,6 +122,9 @@ def _step_loop(engine: EngineCore, in_q: queue.Queue, out_q: queue.Queue, parent
         if deltas or stats != last_stats or now >= next_beat:
             out_q.put(EngineOutputs(deltas, msgspec.structs.replace(stats, steps=steps)))
             last_stats, next_beat = stats, now + heartbeat
+        report = cache_report.due()
+        if report is not None:
+            out_q.put(report)
 
 
 class _Unreadable:

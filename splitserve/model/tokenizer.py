@@ -67,7 +67,9 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> np.ndarray:
         """int32 ids (1-D). Special-token text such as "<|im_start|>" always maps to its
         single id; `add_special_tokens` only controls the BOS prefix."""
-        ids = self._tk.encode(text, add_special_tokens=False).ids
+        # encode_batch, not encode: it lets go of the GIL while it runs (encode holds it
+        # throughout), so tokenizing in a thread leaves the caller's event loop running.
+        ids = self._tk.encode_batch([text], add_special_tokens=False)[0].ids
         if (add_special_tokens and self.add_bos
                 and (not ids or ids[0] != self.bos_token_id)):
             ids.insert(0, self.bos_token_id)

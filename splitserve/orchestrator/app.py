@@ -18,6 +18,7 @@ from splitserve.httpd import ChunkedStream, HTTPLimits, HTTPServer, Request, Res
 from splitserve.httpd.limits import LISTEN_BACKLOG
 from splitserve.orchestrator import relay
 from splitserve.orchestrator.cluster import ClusterConfig
+from splitserve.orchestrator.decide import Decider
 from splitserve.orchestrator.metrics import OrchestratorMetrics
 from splitserve.orchestrator.pools import Pools
 from splitserve.protocol.openai import error_body
@@ -40,6 +41,8 @@ class Orchestrator:
         self.gate = Gate(config.api_key, None)
         self.metrics = OrchestratorMetrics()
         self.pools = Pools(config, self.metrics)
+        self.decider = Decider(config, self.metrics)
+        self._kv_poll: asyncio.Task | None = None
         self.routes = {                    # path -> (method, handler)
             "/v1/completions": ("POST", self.generate),
             "/v1/chat/completions": ("POST", self.generate),
@@ -81,9 +84,10 @@ class Orchestrator:
         self.metrics.in_flight.inc()
         try:
             body = relay.parse_body(request.body)
-            if relay.needs_aggregated(body):
+            plan = await self.decider.plan(request, body, self.pools.gen.servers)
+            if plan.local:
                 route = "aggregated"
-            resp, served = await self.pools.serve(request, body, route == "aggregated", t0)
+            resp, served = await self.pools.serve(request, body, plan.local, t0, plan.info)
             route, status = served or route, resp.status
             return resp
         except InvalidRequestError as exc:
@@ -125,6 +129,8 @@ class Orchestrator:
     # -- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
         await self.pools.start()
+        self._kv_poll = asyncio.create_task(self.decider.poll(self.pools.session, self.pools))
+        self._kv_poll.add_done_callback(_report_failure)
         self.gc.start()
         # backlog: connections a burst may open before the loop accepts them
         await self.http.start(self.config.host, self.config.port, LISTEN_BACKLOG)
@@ -135,6 +141,8 @@ class Orchestrator:
     async def stop(self) -> None:
         await self.http.close()
         self.gc.stop()
+        self._kv_poll.cancel()
+        self.decider.close()
         await self.pools.stop()
 
 

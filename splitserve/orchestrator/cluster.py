@@ -43,6 +43,14 @@ class ClusterConfig:
     # Clients send `Authorization: Bearer <api_key>` when it is set. Every request to a
     # worker carries internal_secret (splitserve/trust.py); the orchestrator does not start
     # without it. Neither is ever logged.
+    # Prompts of at most this many tokens (or whose tokens but this many a GEN already
+    # caches) are prefilled on the GEN itself, skipping CTX and the KV transfer
+    # (orchestrator/decide.py). 0: every prompt goes through CTX.
+    local_prefill_max_tokens: int = 0
+    # The workers' model (a name or path): the orchestrator tokenizes with its tokenizer
+    # for the decision above and KV-aware routing. None: prompts are counted from their
+    # bytes only, chat prompts not at all.
+    model: str | None = None
     api_key: str | None = field(default=None, repr=False)
     internal_secret: str | None = field(default=None, repr=False)
 
@@ -53,6 +61,9 @@ class ClusterConfig:
         for name in ("connect_timeout", "first_byte_timeout", "idle_timeout", "max_in_flight"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
+        if self.local_prefill_max_tokens < 0:
+            raise ValueError(f"local_prefill_max_tokens must be 0 (off) or more, got "
+                             f"{self.local_prefill_max_tokens!r}")
         if self.max_retries < 0:
             raise ValueError(f"max_retries must be 0 or more, got {self.max_retries!r}")
 
@@ -85,6 +96,11 @@ class Server:
     url: str
     healthy: bool = True
     in_flight: int = 0
+
+    @property
+    def load(self) -> float:
+        """What routers weigh: requests in flight from this orchestrator (for now)."""
+        return self.in_flight
 
     def __hash__(self) -> int:
         return hash(self.url)

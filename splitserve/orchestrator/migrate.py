@@ -128,7 +128,7 @@ class Continuation:
         return b"data: " + orjson.dumps(obj)
 
 
-async def carry_on(pools, path: str, resp, tap: StreamTap, body: dict, key: bytes,
+async def carry_on(pools, path: str, resp, tap: StreamTap, body: dict, info,
                    avoid: list, problem: str) -> str | None:
     """Continue a stream that broke on other generation workers of `pools` (pools.Pools),
     avoiding those in `avoid`, the broken one first; the problem left (None: the stream was
@@ -137,7 +137,7 @@ async def carry_on(pools, path: str, resp, tap: StreamTap, body: dict, key: byte
     outcome counts in migrations_total."""
     limit, config = max_tokens(body), pools.config
     for _ in range(max(config.max_retries, 1)):
-        server = pools.gen.pick(key, avoid)
+        server = pools.gen.pick(info, avoid)
         if not tap.migratable(limit) or server is None or server in avoid:
             break
         avoid.append(server)

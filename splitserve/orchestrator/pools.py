@@ -15,7 +15,7 @@ import orjson
 from splitserve.orchestrator import migrate, relay, stream, upstream
 from splitserve.orchestrator.cluster import ClusterConfig, Server
 from splitserve.orchestrator.relay import UpstreamError
-from splitserve.orchestrator.routers import make_router
+from splitserve.orchestrator.routers import RequestInfo, make_router, route
 from splitserve.orchestrator.upstream import Retry
 from splitserve.trust import INTERNAL_HEADER
 
@@ -31,12 +31,12 @@ class Pool:
         self.servers = [Server(u.rstrip("/")) for u in urls]
         self.router = make_router(router)
 
-    def pick(self, key: bytes, avoid=()) -> Server | None:
+    def pick(self, info: RequestInfo, avoid=()) -> Server | None:
         """A healthy server, one not in `avoid` if there is one."""
         healthy = [s for s in self.servers if s.healthy]
         fresh = [s for s in healthy if s not in avoid] if avoid else healthy
         candidates = fresh or healthy
-        return self.router.pick(candidates, key) if candidates else None
+        return route(self.router, candidates, info) if candidates else None
 
     def mark_down(self, url: str) -> None:
         for s in self.servers:
@@ -53,8 +53,8 @@ class Tries:
         self.max_retries, self.metric = max_retries, retries_metric
         self.failed: dict[str, list[Server]] = {"ctx": [], "gen": []}
 
-    def pick(self, pool: Pool, key: bytes) -> Server:
-        server = pool.pick(key, self.failed[pool.name])
+    def pick(self, pool: Pool, info: RequestInfo) -> Server:
+        server = pool.pick(info, self.failed[pool.name])
         if server is None:
             raise UpstreamError(f"no {ROLE[pool.name]} worker is available; retry later")
         return server
@@ -85,11 +85,11 @@ class Pools:
         self._health_task: asyncio.Task | None = None
 
     # -- one request ----------------------------------------------------------------------
-    async def serve(self, request, body: dict, aggregated: bool, t0: float):
+    async def serve(self, request, body: dict, aggregated: bool, t0: float, info: RequestInfo):
         """(the client's response, its route label). request: the client's httpd Request,
-        which a GEN stream is written to. A failed GEN try prefills again: the CTX lease
+        which a GEN stream is written to; info: what the routers read (decide.py). A failed GEN try prefills again: the CTX lease
         may be gone (the dead GEN pulled and acked it, or it expired)."""
-        key, mode = relay.prefix_key(body), None
+        mode = None
         if aggregated:
             ctx_data, gen_data = None, orjson.dumps(body)
         else:
@@ -100,10 +100,10 @@ class Pools:
         migratable = not aggregated and body.get("stream") is True and self.config.migrate_streams
         while True:
             pool = self.gen if gen_data is not None else self.ctx
-            server = tries.pick(pool, key)
+            server = tries.pick(pool, info)
             try:
                 if gen_data is not None:
-                    tap, carry_on = (self._migration(request.path, body, key,
+                    tap, carry_on = (self._migration(request.path, body, info,
                                                      [*tries.failed["gen"], server])
                                      if migratable else (None, None))
                     return await self._generate_on(server, request, gen_data, tap, carry_on), None
@@ -124,12 +124,12 @@ class Pools:
                     f"the {ROLE[pool.name]} worker did not answer within "
                     f"{self.config.first_byte_timeout:g} s", 504, None) from None
 
-    def _migration(self, path: str, body: dict, key: bytes, avoid: list):
+    def _migration(self, path: str, body: dict, info: RequestInfo, avoid: list):
         """(tap, carry_on) for stream.forward: a stream whose GEN breaks goes on elsewhere."""
         tap = migrate.StreamTap()
 
         async def carry_on(out, problem: str) -> str | None:
-            return await migrate.carry_on(self, path, out, tap, body, key, avoid, problem)
+            return await migrate.carry_on(self, path, out, tap, body, info, avoid, problem)
         return tap, carry_on
 
     async def _prefill(self, server: Server, path: str, data: bytes) -> tuple[int, dict]:

@@ -19,6 +19,7 @@ import time
 import urllib.request
 
 from splitserve import envs
+from splitserve.model.loader import DEFAULT_MODEL
 from splitserve.orchestrator.app import run_orchestrator
 from splitserve.orchestrator.cluster import ClusterConfig, PoolConfig
 from splitserve.orchestrator.supervisor import Supervisor, WorkerChild
@@ -145,7 +146,9 @@ def up(args) -> int:
         config = ClusterConfig(PoolConfig(urls["ctx"], args.ctx_router),
                                PoolConfig(urls["gen"], args.gen_router), host=args.host,
                                port=args.port, api_key=secret_env.get("SPLITSERVE_API_KEY"),
-                               internal_secret=secret_env["SPLITSERVE_INTERNAL_SECRET"], **limits)
+                               internal_secret=secret_env["SPLITSERVE_INTERNAL_SECRET"],
+                               local_prefill_max_tokens=args.local_prefill_max_tokens,
+                               model=args.model or DEFAULT_MODEL, **limits)
         asyncio.run(run_orchestrator(config, banner=banner(config),
                                      companion=lambda orch: supervisor.watch(orch.mark_down)))
         return 0

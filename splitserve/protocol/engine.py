@@ -247,11 +247,23 @@ class EngineOutputs(msgspec.Struct, tag="outputs"):
     stats: EngineStats
 
 
+class KVBlocks(msgspec.Struct, tag="kv_blocks"):
+    """The chained hashes (engine/prompt_digest.chain_hashes) of the blocks in the engine's
+    prefix cache, for a KV-aware router: sent when they changed, at most about once a second.
+    version: names this snapshot; it changes (and only then) when the cache did, and differs
+    across engine restarts. hashes: 16 bytes each, back to back, the newest `limit` of
+    `total` (engine/kv_report.py)."""
+    version: str
+    block_size: int
+    total: int
+    hashes: bytes
+
+
 class EngineDead(msgspec.Struct, tag="dead"):
     reason: str
 
 
-EngineOutput = EngineReady | EngineOutputs | EngineDead
+EngineOutput = EngineReady | EngineOutputs | KVBlocks | EngineDead
 
 
 def _check(ok: bool, message: str) -> None:

@@ -19,6 +19,7 @@ from splitserve.protocol.openai import error_body
 from splitserve.server.config import ServerConfig
 from splitserve.server.engine_client import EngineClient, EngineDeadError
 from splitserve.server.generate import GenerateHandlers
+from splitserve.server.kv_blocks import PATH as KV_BLOCKS, kv_blocks_response
 from splitserve.server.metrics import ServerMetrics
 from splitserve.signals import wait_for_stop_signal
 from splitserve.trust import Gate, NotInternal, Refusal, forbidden
@@ -70,6 +71,8 @@ class WorkerServer:
             "/metrics": ("GET", self.prometheus),
             "/tokenize": ("POST", self.tokenize),
             "/detokenize": ("POST", self.detokenize),
+            KV_BLOCKS: ("GET", functools.partial(kv_blocks_response, gate=self.gate,
+                                                 engine=self.engine)),
         }
         self.http = HTTPServer(self.dispatch, config.max_body_bytes, config.log_prefix,
                                limits=config.http,

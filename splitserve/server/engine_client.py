@@ -25,7 +25,7 @@ import zmq.asyncio
 from splitserve.config import EngineConfig
 from splitserve.protocol.engine import (
     AbortRequests, AddRequests, CompletionDelta, EngineDead, EngineOutputs, EngineReady,
-    EngineRequest, EngineStats, Shutdown, pack_input)
+    EngineRequest, EngineStats, KVBlocks, Shutdown, pack_input)
 from splitserve.server.engine_process import EngineDeadError, EngineProcess
 from splitserve.tokens import PromptTokens
 
@@ -84,6 +84,7 @@ class EngineClient:
         self.queues: dict[str, DeltaQueue] = {}
         self.ready: EngineReady | None = None
         self.stats = EngineStats(0, 0, 0, 0, 0, 0)
+        self.kv_blocks: KVBlocks | None = None   # the engine's last prefix cache report
         self.dead_reason: str | None = None    # set while the engine is down (restarting)
         self.engine: EngineProcess | None = None
         self.restarts = 0
@@ -143,6 +144,7 @@ class EngineClient:
         ready = await engine.start(timeout)
         self.engine, self.ready, self.dead_reason = engine, ready, None
         self.stats = EngineStats(0, 0, 0, ready.num_blocks, 0, 0)
+        self.kv_blocks = None
         self._ready_at = self._last_step = time.monotonic()
         engine.serve(self._dispatch, self._on_exit)
         return ready
@@ -158,6 +160,8 @@ class EngineClient:
                 if q is not None:
                     delta.received = now   # latency metrics use this, not when it is read
                     q.put_nowait(delta)
+        elif isinstance(msg, KVBlocks):
+            self.kv_blocks = msg
         elif isinstance(msg, EngineDead):
             self._fail_all(msg.reason)
 
