@@ -13,8 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from server_utils import Worker, alive, descendants, kv_blocks_busy, metrics, post, wait_for
-
-LONG = 50_000   # tokens: a request that runs until the test ends it
+from test_faults_worker import RawStream   # a request of LONG tokens: runs until ended
 PROMPTS = ["The quick brown fox", "Hello there", "One two three", "splitserve"]
 
 
@@ -82,19 +81,11 @@ def engine_of(worker) -> int:
     raise LookupError("no engine process found")
 
 
-class Stream:
-    """A long streaming completion on its own connection, read when the test asks."""
+class Stream(RawStream):
+    """A long streaming completion on its own connection, and the front-end serving it."""
 
     def __init__(self, worker):
-        body = json.dumps({"model": "tiny-random", "prompt": "x", "max_tokens": LONG,
-                           "ignore_eos": True, "stream": True}).encode()
-        self.sock = socket.create_connection(("127.0.0.1", worker.port), timeout=60)
-        self.sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
-                          b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
-                          % (len(body), body))
-        self.data = b""
-        while b"data: " not in self.data:      # the head and a first token: it runs
-            self.data += self.sock.recv(1 << 20)
+        super().__init__(worker)
         self.frontend = server_pid(self.sock)
 
     def rest(self) -> bytes:

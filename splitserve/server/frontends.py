@@ -93,18 +93,19 @@ class Frontends:
         self.state: dict[type, bytes] = {}      # the last EngineStarting, and EngineUp/Down
         self.deaths: dict[int, int] = {}        # early deaths in a row, per front-end
         self.closing = False
+        self.port = config.port
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(ControlMessage)
 
     async def run(self) -> None:
         listener = reserve_port(self.config.host, self.config.port)
-        self.config = replace(self.config, port=listener.getsockname()[1])
+        self.port = listener.getsockname()[1]   # port 0: the one chosen, for every front-end
         try:
             for peer in self.numbers:   # they read the tokenizer while the engine starts
                 self._spawn(peer, {})
             await self.engine.start(self.config.engine_start_timeout)
             logger.info("%s: %d front-end processes serving on http://%s:%d (SO_REUSEPORT)",
-                        self.log_prefix, len(self.numbers), self.config.host, self.config.port)
+                        self.log_prefix, len(self.numbers), self.config.host, self.port)
             await wait_for_stop_signal()
         finally:
             await self.stop()
@@ -121,7 +122,7 @@ class Frontends:
         ours, theirs = multiprocessing.Pipe()
         process = multiprocessing.get_context("spawn").Process(
             target=_frontend_main, name=f"{self.log_prefix}-frontend{peer}", daemon=True,
-            args=(self.config, peer, self.ipc_dir, theirs, inherited))
+            args=(replace(self.config, port=self.port), peer, self.ipc_dir, theirs, inherited))
         process.start()
         theirs.close()
         child = self.children[peer] = _Child(process, ours)
