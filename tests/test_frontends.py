@@ -245,3 +245,18 @@ def test_outputs_go_back_to_the_frontend_that_sent_the_request():
     assert router.route([deltas[1]], stats, news=False)[0][0] == 0   # nobody's: dropped at 0
     router.prune(lambda rid: False)
     assert router.owners == {}
+
+
+def test_the_count_reaches_serve_and_up_passes_it_to_gen_workers():
+    from splitserve.cli import build_parser, server_config
+    from splitserve.orchestrator.up import worker_command
+    from splitserve.placement import WorkerPlan
+    for flag in ("--api-server-count", "--frontends"):
+        args = build_parser().parse_args(["serve", "--model", "tiny-random", flag, "3"])
+        assert server_config(args, 1).api_server_count == 3
+    assert server_config(build_parser().parse_args(["serve"]), 1).api_server_count == 1
+    args = build_parser().parse_args(["up", "--gen-api-servers", "2"])
+    args.log_level = "INFO"
+    plan = WorkerPlan((1,), 1, (0,))
+    assert worker_command(args, "gen", 9000, plan)[-2:] == ["--api-server-count", "2"]
+    assert "--api-server-count" not in worker_command(args, "ctx", 9001, plan)
