@@ -102,7 +102,7 @@ class WorkerServer:
     def in_flight(self) -> int:
         """Generation requests open in this worker: in every front-end process (the others'
         as of their last report, at most REPORT_SECONDS old)."""
-        return len(self.engine.queues) + sum(r.in_flight for r in self.engine.peer_reports.values())
+        return self.engine.in_flight
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:

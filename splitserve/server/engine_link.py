@@ -77,10 +77,18 @@ class EngineLink:
         return None
 
     @property
+    def in_flight(self) -> int:
+        """Requests submitted and not finished, by this front-end and (as of their last
+        reports) the worker's other front-ends."""
+        if not self.peer_reports:
+            return len(self.queues)
+        return len(self.queues) + sum(r.in_flight for r in self.peer_reports.values())
+
+    @property
     def num_waiting(self) -> int:
-        """Requests submitted and not finished that the engine is not running (as of its
-        last stats): what load shedding bounds."""
-        return max(len(self.queues) - self.stats.num_running, 0)
+        """Requests in flight that the engine is not running (as of its last stats): what
+        load shedding bounds."""
+        return max(self.in_flight - self.stats.num_running, 0)
 
     def _serving(self, ready: EngineReady) -> None:
         """The engine is ready: requests are taken from now on."""
