@@ -117,7 +117,7 @@ def _step_loop(engine: EngineCore, in_q: queue.Queue, out_q: queue.Queue, parent
                 _handle(engine, item, deltas, router)
             item = in_q.get_nowait() if not in_q.empty() else None
         if os.getppid() != parent:
-            logger.warning("front-end process died; engine exiting")
+            logger.warning("the process that started the engine died; engine exiting")
             return
         deltas.extend(engine.step())
         steps += 1
@@ -128,11 +128,17 @@ def _step_loop(engine: EngineCore, in_q: queue.Queue, out_q: queue.Queue, parent
             if router is None:
                 out_q.put(EngineOutputs(deltas, sent))
             else:
-                for item in router.route(deltas, sent, stats != last_stats or now >= next_beat):
-                    out_q.put(item)
-                if now >= next_beat:
-                    router.prune(engine.groups.__contains__)
+                _route(engine, router, out_q, deltas, sent, stats != last_stats, now >= next_beat)
             last_stats, next_beat = stats, now + heartbeat
+
+
+def _route(engine: EngineCore, router: OutputRouter, out_q: queue.Queue, deltas, stats,
+           changed: bool, beat: bool) -> None:
+    """Several front-ends: each its requests' deltas, all the stats when they are news."""
+    for item in router.route(deltas, stats, changed or beat):
+        out_q.put(item)
+    if beat:   # twice a second: forget the requests that finished
+        router.prune(engine.groups.__contains__)
 
 
 def _handle(engine: EngineCore, item, deltas: list[CompletionDelta],
