@@ -196,6 +196,20 @@ def test_sigterm_stops_every_process(workers):
     wait_for(lambda: not any(alive(p) for p in family), 30, "every process stopped")
 
 
+def test_a_killed_serve_process_leaves_nothing_behind():
+    """kill -9 of the process that owns the engine and the front-ends: the engine sees its
+    parent gone, the front-ends their pipe closed, and all of them exit."""
+    worker = Worker("--model", "tiny-random", "--dtype", "float32", "--api-server-count", "2")
+    try:
+        family = descendants(worker.proc.pid)
+        assert len(family) >= 4
+        worker.proc.kill()
+        worker.proc.wait(30)
+        wait_for(lambda: not any(alive(p) for p in family), 30, "every process stopped")
+    finally:
+        worker.close()
+
+
 def test_metrics_of_frontends_add_up():
     from splitserve.server.metrics import ServerMetrics
     a, b = ServerMetrics(), ServerMetrics()
