@@ -114,6 +114,7 @@ def server_config(args, threads: int | None = None):
                         max_body_bytes=args.max_body_bytes,
                         max_waiting_requests=args.max_waiting_requests,
                         engine_stall_seconds=args.engine_stall_seconds,
+                        api_server_count=args.api_server_count,
                         http=HTTPLimits(head_timeout=args.request_head_timeout,
                                         body_timeout=args.request_body_timeout,
                                         max_connections=args.max_connections),
@@ -138,7 +139,8 @@ def _serve(args) -> int:
     config = server_config(args, plan.engine_threads)
     # The resolved dtype is logged once the engine is ready ("serving <model> (<dtype>)"):
     # resolving auto needs torch, which only the engine process loads.
-    logging.getLogger(__name__).info("%s:%d: %s", args.role, args.port, plan.describe())
+    logging.getLogger(__name__).info("%s:%d: %s", args.role, args.port,
+                                     plan.describe(config.api_server_count))
     serve(config)
     return 0
 
@@ -190,6 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--role", default="agg", choices=["agg", "ctx", "gen"])
     serve.add_argument("--served-model-name", default=None)
+    serve.add_argument("--api-server-count", "--frontends", type=int, default=1,
+                       help="HTTP front-end processes on the port, sharing one engine process")
     serve.add_argument("--max-body-bytes", type=int, default=64 << 20)
     serve.add_argument("--max-waiting-requests", type=int,
                        default=ServerConfig.max_waiting_requests,
@@ -224,6 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
     upp.add_argument("--port", type=int, default=8000, help="orchestrator; workers take the next ports")
     upp.add_argument("--num-ctx", type=int, default=1)
     upp.add_argument("--num-gen", type=int, default=1)
+    upp.add_argument("--gen-api-servers", type=int, default=1,
+                     help="front-end processes per GEN worker (serve --api-server-count)")
     upp.add_argument("--threads", type=int, default=None, help="torch threads per worker")
     upp.add_argument("--kv-backend", default="tcp", choices=["tcp", "nixl"])
     upp.add_argument("--kv-cache-gib", type=float, default=1.0)

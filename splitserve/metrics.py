@@ -49,6 +49,15 @@ class _Metric:
         for key, child in self._children.items():
             yield from self._samples(dict(zip(self.labelnames, key)), child)
 
+    def state(self) -> list[tuple[list[str], list[float]]]:
+        """Every child's label values and numbers: what add_state adds to another process's
+        copy of this metric (a worker's front-ends sum theirs)."""
+        return [(list(key), child.state()) for key, child in self._children.items()]
+
+    def add_state(self, state: list[tuple[list[str], list[float]]]) -> None:
+        for key, numbers in state:
+            self.labels(*key).add_state(numbers)
+
     def _new_child(self):
         return _Value()
 
@@ -70,6 +79,12 @@ class _Value:
 
     def set(self, value: float) -> None:
         self.value = value
+
+    def state(self) -> list[float]:
+        return [self.value]
+
+    def add_state(self, numbers: list[float]) -> None:
+        self.value += numbers[0]
 
 
 class Counter(_Metric):
@@ -111,6 +126,17 @@ class _HistogramValue:
         self.counts[bisect.bisect_left(self.bounds, value)] += 1   # le: value <= bound
         self.sum += value
         self.count += 1
+
+    def state(self) -> list[float]:
+        return [*self.counts, self.sum, self.count]
+
+    def add_state(self, numbers: list[float]) -> None:
+        if len(numbers) != len(self.counts) + 2:
+            raise ValueError("a histogram state with other buckets")
+        for i, n in enumerate(numbers[:-2]):
+            self.counts[i] += int(n)
+        self.sum += numbers[-2]
+        self.count += int(numbers[-1])
 
 
 class Histogram(_Metric):

@@ -26,9 +26,11 @@ class WorkerPlan:
     engine_threads: int
     frontend_cpus: tuple[int, ...]
 
-    def describe(self) -> str:
+    def describe(self, frontends: int = 1) -> str:
+        """frontends: front-end processes, which share the front-end CPUs."""
+        who = "front-end" if frontends == 1 else f"{frontends} front-ends (shared)"
         return (f"engine {self.engine_threads} thread(s) on CPUs {format_cpus(self.engine_cpus)}, "
-                f"front-end on CPUs {format_cpus(self.frontend_cpus)}")
+                f"{who} on CPUs {format_cpus(self.frontend_cpus)}")
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ ROW_FIELDS = {"mode", "isl", "concurrency", "max_tokens", "requests", "completed
               "truncated_by_duration", "duration_s", "request_throughput", "body_bytes",
               "think_time_s", "mean_in_flight", "server_cpu_s", "server_cpu_per_request_us",
               "engine_cpu_per_request_us", "client_cpu_per_request_us", "gen_preprocessing_ms",
-              "queue_ms", "client_latency_ms"}
+              "queue_ms", "client_latency_ms", "frontends"}
 HIST_FIELDS = {"count", "mean_ms", "p50_ms", "p99_ms"}
 
 
@@ -53,6 +53,7 @@ def test_every_mode_runs_against_a_worker_that_skips_kv_pulls(tmp_path):
         (m, isl, 4) for isl in (64, 1024) for m in ("metadata", "b64", "list")]
     for r in runs:
         assert set(r) == ROW_FIELDS
+        assert r["frontends"] == 1
         assert (r["completed"], r["errors"], r["truncated_by_duration"]) == (10, 0, False)
         assert r["server_cpu_per_request_us"] > 0 and r["client_cpu_per_request_us"] > 0
         assert r["engine_cpu_per_request_us"] is None      # a worker this run did not start

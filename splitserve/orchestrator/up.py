@@ -39,6 +39,8 @@ def worker_command(args, role: str, port: int, cpus: WorkerPlan) -> list[str]:
            "--frontend-cpus", format_cpus(cpus.frontend_cpus)]
     if args.model:
         cmd += ["--model", args.model]
+    if role == "gen" and args.gen_api_servers > 1:
+        cmd += ["--api-server-count", str(args.gen_api_servers)]
     return cmd
 
 

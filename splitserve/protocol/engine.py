@@ -132,10 +132,12 @@ class EngineRequest(msgspec.Struct, gc=False):
         return self.kind != RequestKind.AGGREGATED
 
 
-class AddRequests(msgspec.Struct, tag="add"):
+class AddRequests(msgspec.Struct, tag="add", omit_defaults=True):
     """Every request the front-end submitted in one event-loop turn, in one message: one
-    ZeroMQ send per turn instead of one per request (pack_input)."""
+    ZeroMQ send per turn instead of one per request (pack_input). `peer`: which of the
+    engine's front-ends sent it (the one its outputs go back to; server/frontends.py)."""
     requests: list[EngineRequest]
+    peer: int = 0
 
 
 def pack_input(header: bytes, prompts=()) -> bytes:
@@ -173,7 +175,13 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
     pass
 
 
-EngineInput = AddRequests | AbortRequests | Shutdown
+class PeerGone(msgspec.Struct, tag="gone"):
+    """From the process that owns the engine: front-end `peer` died; abort its requests
+    (so their KV blocks are freed): a restarted front-end starts with none."""
+    peer: int
+
+
+EngineInput = AddRequests | AbortRequests | Shutdown | PeerGone
 
 
 class NamedRequest(msgspec.Struct, gc=False):

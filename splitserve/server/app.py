@@ -1,10 +1,12 @@
-"""The worker's HTTP front-end: splitserve.httpd on uvloop, one engine-core process behind it."""
+"""The worker's HTTP front-end: splitserve.httpd on uvloop, one engine-core process behind it
+(which, with `--api-server-count N`, N front-end processes share: server/frontends.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import functools
 import logging
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -18,6 +20,7 @@ from splitserve.model.loader import load_model_source
 from splitserve.protocol.openai import error_body
 from splitserve.server.config import ServerConfig
 from splitserve.server.engine_client import EngineClient, EngineDeadError
+from splitserve.server.engine_link import EngineLink
 from splitserve.server.generate import GenerateHandlers
 from splitserve.server.kv_blocks import PATH as KV_BLOCKS, kv_blocks_response
 from splitserve.server.metrics import ServerMetrics
@@ -27,6 +30,7 @@ from splitserve.trust import Gate, NotInternal, Refusal, forbidden
 logger = logging.getLogger(__name__)
 
 RETRY_AFTER = "1"   # seconds a refused client is asked to wait (overloaded, restarting)
+REPORT_SECONDS = 0.5   # how often a front-end of several reports its metrics to the others
 
 
 class ModelNotFound(InvalidRequestError):
@@ -48,10 +52,15 @@ class _DetokenizeBody(msgspec.Struct):
 
 
 class WorkerServer:
-    def __init__(self, config: ServerConfig):
+    """engine: the EngineClient it owns (by default), or, as one of several front-ends, a
+    PeerEngineClient (server/peer_client.py) over the engine the serve process owns."""
+
+    def __init__(self, config: ServerConfig, engine: EngineLink | None = None):
         self.config = config
-        self.engine = EngineClient(config.engine, log_prefix=config.log_prefix,
-                                   stall_seconds=config.engine_stall_seconds)
+        self.engine = engine or EngineClient(config.engine, log_prefix=config.log_prefix,
+                                             stall_seconds=config.engine_stall_seconds)
+        self.log_prefix = self.engine.log_prefix
+        self._reporter: asyncio.Task | None = None
         # The front-end needs only the tokenizer; weights are read by the engine process.
         self.tokenizer = load_model_source(config.engine.model).tokenizer
         self.pool = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tokenize")
@@ -74,7 +83,7 @@ class WorkerServer:
             KV_BLOCKS: ("GET", functools.partial(kv_blocks_response, gate=self.gate,
                                                  engine=self.engine)),
         }
-        self.http = HTTPServer(self.dispatch, config.max_body_bytes, config.log_prefix,
+        self.http = HTTPServer(self.dispatch, config.max_body_bytes, self.log_prefix,
                                limits=config.http,
                                error_body=lambda message, status: error_body(
                                    message, "server_error" if status >= 500
@@ -92,6 +101,11 @@ class WorkerServer:
             self.metrics.shed.inc()
             raise Overloaded(f"the server is overloaded ({waiting} requests are waiting); "
                              f"retry shortly")
+
+    def in_flight(self) -> int:
+        """Generation requests open in this worker: in every front-end process (the others'
+        as of their last report, at most REPORT_SECONDS old)."""
+        return self.engine.in_flight
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
@@ -132,7 +146,7 @@ class WorkerServer:
             status = 499   # the client went away
             raise
         except Exception:
-            logger.exception("%s: request failed", self.config.log_prefix)
+            logger.exception("%s: request failed", self.log_prefix)
             return _error(500, "internal error; the request was not completed", "server_error")
         finally:
             self.metrics.request_done(request.path if route else "other", status)
@@ -156,7 +170,8 @@ class WorkerServer:
         self.metrics.update_engine(self.engine.stats)
         self.metrics.engine_restarts.set_total(self.engine.restarts)
         self.metrics.update_process()
-        return Response(self.metrics.render(),
+        peers = {k: r.metrics for k, r in self.engine.peer_reports.items()}
+        return Response(self.metrics.render(peers, self.engine.peer),
                         content_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def tokenize(self, request: Request) -> Response:
@@ -185,12 +200,26 @@ class WorkerServer:
         ready = await self.engine.start(self.config.engine_start_timeout)
         self.model_name = self.model_name or ready.model_name
         self.gc.start()
-        # backlog: connections a burst may open before the loop accepts them
-        await self.http.start(self.config.host, self.config.port, LISTEN_BACKLOG)
-        logger.info("%s: serving %s (%s) on http://%s:%d", self.config.log_prefix, ready.model_name,
-                    ready.dtype, self.config.host, self.http.port)
+        # backlog: connections a burst may open before the loop accepts them; several
+        # front-ends share the port (SO_REUSEPORT; server/frontends.py says why)
+        shared = self.engine.peer > 0
+        await self.http.start(self.config.host, self.config.port, LISTEN_BACKLOG,
+                              reuse_port=shared)
+        if shared:
+            self._reporter = asyncio.create_task(self._report())
+        logger.info("%s: serving %s (%s) on http://%s:%d%s", self.log_prefix, ready.model_name,
+                    ready.dtype, self.config.host, self.http.port,
+                    f" (front-end {self.engine.peer}, pid {os.getpid()})" if shared else "")
+
+    async def _report(self) -> None:
+        while True:
+            await asyncio.sleep(REPORT_SECONDS)
+            self.metrics.update_process()
+            self.engine.report(self.metrics.frontend_state())
 
     async def stop(self) -> None:
+        if self._reporter is not None:
+            self._reporter.cancel()
         await self.http.close()
         self.gc.stop()
         await self.engine.shutdown()
@@ -199,7 +228,8 @@ class WorkerServer:
     async def run(self) -> None:
         await self.start()
         try:
-            await wait_for_stop_signal()
+            # a front-end of several also stops when the serve process is gone
+            await wait_for_stop_signal(lambda: getattr(self.engine, "parent_gone", False))
         finally:
             await self.stop()
 
@@ -222,10 +252,18 @@ def _decode(struct, body: bytes):
         raise InvalidRequestError("the request body is not valid JSON") from None
 
 
-def serve(config: ServerConfig) -> None:
+def run_loop(main) -> None:
     try:
         import uvloop
         run = uvloop.run
     except ImportError:
         run = asyncio.run
-    run(WorkerServer(config).run())
+    run(main)
+
+
+def serve(config: ServerConfig) -> None:
+    if config.api_server_count > 1:
+        from splitserve.server.frontends import serve_frontends
+        serve_frontends(config)
+    else:
+        run_loop(WorkerServer(config).run())

@@ -30,6 +30,8 @@ class ServerConfig:
     api_key: str | None = field(default=None, repr=False)
     internal_secret: str | None = field(default=None, repr=False)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    # HTTP front-end processes sharing the port and one engine process (server/frontends.py)
+    api_server_count: int = 1
 
     def __post_init__(self):
         if self.role not in ROLES:
@@ -40,6 +42,8 @@ class ServerConfig:
             raise ValueError("max_body_bytes must be at least 1024")
         if self.max_waiting_requests < 1:
             raise ValueError("max_waiting_requests must be at least 1")
+        if self.api_server_count < 1:
+            raise ValueError(f"api_server_count must be at least 1, got {self.api_server_count}")
         if not self.engine_stall_seconds > 0:
             raise ValueError("engine_stall_seconds must be positive")
 

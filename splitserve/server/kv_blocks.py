@@ -21,7 +21,7 @@ _MAX_SINCE = 64     # a version is 8 hex digits, a dash and a counter
 
 
 async def kv_blocks_response(request: Request, gate: Gate, engine) -> Response:
-    """engine: server.engine_client.EngineClient, whose kv_blocks is the last report."""
+    """engine: server.engine_link.EngineLink, whose kv_blocks is the last report."""
     if not gate.internal(request.header):
         return Response(error_body("this endpoint is internal: it needs the cluster's internal "
                                    "secret", "invalid_request_error"), 403)

@@ -1,4 +1,8 @@
-"""The worker's own metrics (`ServerMetrics`), built on the primitives of splitserve/metrics.py."""
+"""The worker's own metrics (`ServerMetrics`), built on the primitives of splitserve/metrics.py.
+
+With several front-end processes (`serve --api-server-count N`) each counts what it serves;
+/metrics on any of them renders the sum of its own and the others' last reports
+(protocol/frontends.py), so a scrape sees the worker, not one process."""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ class ServerMetrics:
 
     def __init__(self, prefix: str = "splitserve_"):
         self.registry = r = Registry()
+        self.prefix = prefix
 
         def add(cls, name: str, help: str, *labels: str):
             return r.register(cls(prefix + name, help, labels))
@@ -61,6 +66,22 @@ class ServerMetrics:
         self.process_cpu = r.register(Counter("process_cpu_seconds_total",
                                               "User and system CPU time of this front-end process"))
 
+        # Copies of the engine's stats: the same in every front-end, so never summed.
+        self.engine_wide = {m.name for m in (
+            self.engine_restarts, self.running, self.waiting, self.kv_used, self.kv_total,
+            self.kv_usage, self.kv_leased, self.prefix_queries, self.prefix_hits)}
+
+    def frontend_state(self) -> dict:
+        """What this front-end counted itself (protocol.frontends.MetricsState)."""
+        return {name: m.state() for name, m in self.registry.metrics.items()
+                if name not in self.engine_wide}
+
+    def absorb(self, state: dict) -> None:
+        """Add a frontend_state() to this one's: a restarted front-end carries on the
+        counts of the one it replaces (a Prometheus counter never goes down)."""
+        for name, numbers in state.items():
+            self.registry.metrics[name].add_state(numbers)
+
     def request_done(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint, status).inc()
 
@@ -82,5 +103,25 @@ class ServerMetrics:
         self.kv_total.set(total)
         self.kv_usage.set(used / total if total else 0.0)
 
-    def render(self) -> bytes:
-        return self.registry.render()
+    def render(self, peers: dict[int, dict] | None = None, me: int = 0) -> bytes:
+        """peers: the other front-ends' last frontend_state() by front-end number; their
+        sum with this one's is rendered, and how many requests each answered."""
+        if not peers:
+            return self.registry.render()
+        total = ServerMetrics(self.prefix)
+        per_frontend = total.registry.register(Counter(
+            self.prefix + "frontend_requests_total",
+            "HTTP requests answered by each front-end process of this worker", ("frontend",)))
+        for name, metric in self.registry.metrics.items():
+            total.registry.metrics[name].add_state(metric.state())
+        count = self.prefix + "requests_total"
+        per_frontend.labels(me).add_state([_requests(self.frontend_state(), count)])
+        for peer, state in sorted(peers.items()):
+            for name, numbers in state.items():
+                total.registry.metrics[name].add_state(numbers)
+            per_frontend.labels(peer).add_state([_requests(state, count)])
+        return total.registry.render()
+
+
+def _requests(state: dict, name: str) -> float:
+    return sum(numbers[0] for _, numbers in state.get(name, ()))

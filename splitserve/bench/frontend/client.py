@@ -43,6 +43,9 @@ class RunSpec(msgspec.Struct, frozen=True):
     ramp_up: float = 0.0     # seconds over which the connections send their first requests
     think_time: float = 0.0  # mean seconds (exponential) a connection waits after an answer
     min_duration: float = 0.0  # seconds the run lasts at least: it sends past num_requests
+    # seconds to wait before each /metrics scrape: a worker of several front-ends sums
+    # their reports, which are up to half a second old (server/frontends.py)
+    settle: float = 0.0
 
 
 def body_parts(target: Target, mode: str, isl: int, max_tokens: int = 1) -> list[bytes]:
@@ -95,6 +98,7 @@ async def drive(spec: RunSpec, variants: list[list[bytes]]) -> dict:
     url = spec.target.url.rstrip("/")
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
         conns = await _connect(url, spec.concurrency)
+        await asyncio.sleep(spec.settle)
         before = await _scrape(http, url)
         latencies, failures, spans = [], [], []
         todo = itertools.count()                 # shared: each index is taken once
@@ -128,6 +132,7 @@ async def drive(spec: RunSpec, variants: list[list[bytes]]) -> dict:
         window = (start + spec.ramp_up, start + min(spec.duration, elapsed))
         if window[1] <= window[0]:
             window = (start, start + elapsed)
+        await asyncio.sleep(spec.settle)
         after = await _scrape(http, url)
         for conn in conns:
             conn.close()

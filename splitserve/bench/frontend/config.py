@@ -32,12 +32,17 @@ class FrontendBenchConfig:
     kv_cache_gib: float = 2.0          # the started worker's KV pool
     timeout: float = 120.0             # seconds per request
     progress: bool = True
+    frontends: tuple[int, ...] = (1,)  # front-end processes of the started worker, in turn
 
     def __post_init__(self):
         bad = [m for m in self.modes if m not in MODES]
         _require(self.modes and not bad, f"--modes takes {', '.join(MODES)}; got {bad or 'none'}")
         _require(self.isl and min(self.isl) >= 1, "--isl values must be >= 1")
         _require(self.concurrency and min(self.concurrency) >= 1, "--concurrency values must be >= 1")
+        _require(self.frontends and min(self.frontends) >= 1,
+                 "--api-server-counts values must be >= 1")
+        _require(self.url is None or self.frontends == (1,),
+                 "--api-server-counts needs a worker started here (no --url)")
         _require(self.requests is None or self.requests >= 1, "--requests must be >= 1")
         _require(self.max_tokens >= 1, "--max-tokens must be >= 1")
         _require(self.ramp_up >= 0, "--ramp-up must be >= 0")

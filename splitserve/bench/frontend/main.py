@@ -65,22 +65,23 @@ def benchmark(cfg: FrontendBenchConfig) -> dict:
     os.environ.setdefault("SPLITSERVE_INTERNAL_SECRET", secrets.token_urlsafe(32))
     try:
         client = ClientProcess()
-        for isl in cfg.isl:
+        for frontends, isl in [(f, i) for f in cfg.frontends for i in cfg.isl]:
             worker = None
             if cfg.url is None:
-                worker = BenchWorker(cfg, block_bytes)
+                worker = BenchWorker(cfg, block_bytes, frontends)
                 workers.append(worker)
                 worker.wait_healthy()
             url = cfg.url or worker.url
             health = check_kv_backend(url)
             model = get_json(url.rstrip("/") + "/v1/models")["data"][0]
             target = Target(url, model["id"], layout, vocab_size, cfg.block_size)
+            settle = 0.0 if frontends == 1 else 1.0   # their metrics reports arrive
             for mode in modes:   # unmeasured (first-request costs), but must succeed too
                 warm = RunSpec(target, mode, isl, 4, 20, cfg.duration, cfg.timeout,
-                               cfg.max_tokens)
+                               cfg.max_tokens, settle=settle)
                 summarize_run(warm, client.run(warm))
             # The modes of one cell run back to back: the load of a shared machine drifts.
-            runs += [_run(cfg, client, worker, target, mode, isl, c)
+            runs += [_run(cfg, client, worker, target, mode, isl, c, frontends)
                      for c in cfg.concurrency for mode in modes]
             if worker is not None:
                 worker.close()
@@ -99,21 +100,25 @@ def benchmark(cfg: FrontendBenchConfig) -> dict:
                        "args": workers[0].args if workers else None, "health": health,
                        "model": target.model, "layout": layout,
                        "max_model_len": model.get("max_model_len")},
-            "config": asdict(cfg), "runs": runs, "targets": evaluate_targets(runs)}
+            "config": asdict(cfg), "runs": runs,
+            # the targets are the front-end's per process: judged on the first count's runs
+            "targets": evaluate_targets([r for r in runs if r["frontends"] == cfg.frontends[0]])}
 
 
 def _run(cfg, client: ClientProcess, worker: BenchWorker | None, target: Target, mode: str,
-         isl: int, c: int) -> dict:
+         isl: int, c: int, frontends: int = 1) -> dict:
     spec = RunSpec(target, mode, isl, c, cfg.num_requests(c), cfg.duration, cfg.timeout,
-                   cfg.max_tokens, cfg.ramp_up, cfg.think_time, cfg.min_duration)
+                   cfg.max_tokens, cfg.ramp_up, cfg.think_time, cfg.min_duration,
+                   settle=0.0 if frontends == 1 else 1.0)
     engine_cpu = worker.engine_cpu_seconds() if worker else None
     out = client.run(spec)
     if engine_cpu is not None:
         engine_cpu = worker.engine_cpu_seconds() - engine_cpu
     row = summarize_run(spec, out, engine_cpu)
+    row["frontends"] = frontends
     if cfg.progress:
         g = row["gen_preprocessing_ms"]
-        print(f"{mode:>8} ISL {isl:>6} c {c:>4}: {row['completed']:>4} ok in "
+        print(f"{frontends} fe {mode:>8} ISL {isl:>6} c {c:>4}: {row['completed']:>4} ok in "
               f"{row['duration_s']:.1f} s, {row['server_cpu_per_request_us']:.0f} us CPU/req, "
               f"gen_preprocessing p50 {format_ms(g['p50_ms'])} p99 {format_ms(g['p99_ms'])} ms",
               file=sys.stderr, flush=True)
@@ -155,6 +160,9 @@ def add_arguments(p) -> None:
                    help="mean seconds (exponentially distributed) each connection waits after "
                         "an answer before its next request, like a user reading it (default "
                         "0: a closed loop); spreads the arrivals of a held load out")
+    p.add_argument("--api-server-counts", type=_ints, default=(1,),
+                   help="front-end processes of the started worker (`serve "
+                        "--api-server-count`), e.g. 1,2,4: the grid runs for each in turn")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-gib", type=float, default=2.0, help="KV pool of the started worker")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
@@ -172,7 +180,7 @@ def config_from_args(args) -> FrontendBenchConfig:
         url=args.url, max_tokens=args.max_tokens,
         ramp_up=args.ramp_up, think_time=args.think_time,
         block_size=args.block_size, kv_cache_gib=args.kv_cache_gib, timeout=args.timeout,
-        progress=not args.no_progress)
+        progress=not args.no_progress, frontends=args.api_server_counts)
 
 
 def run(args) -> int:

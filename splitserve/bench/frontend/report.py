@@ -104,14 +104,15 @@ def evaluate_targets(runs: list[dict]) -> list[dict]:
 
 # -- report -----------------------------------------------------------------------------------
 def format_table(runs: list[dict]) -> str:
-    lines = ["CPU in us per request: fe = the worker's front-end (the measured cost), eng = its "
+    lines = ["fe# = the worker's front-end processes. "
+             "CPU in us per request: fe = the worker's front-end (the measured cost), eng = its "
              "engine process, cli = the client; fe% = front-end CPU / wall time; infl = mean "
              "requests in flight at the worker (sent, not yet answered) after the ramp-up and "
              "before --duration ends. Latencies in "
              "ms: pre = gen_preprocessing (X-Sent-At -> engine admission), queue = admission -> "
              "KV blocks (server percentiles interpolated in histogram buckets), lat = client. "
              "* = stopped by --duration",
-             f"{'mode':<9}{'ISL':>7}{'conc':>6}{'infl':>6}{'ok':>6}{'req/s':>7}{'fe':>7}"
+             f"{'fe#':<4}{'mode':<9}{'ISL':>7}{'conc':>6}{'infl':>6}{'ok':>6}{'req/s':>7}{'fe':>7}"
              f"{'eng':>7}{'cli':>7}"
              f"{'fe%':>5}{'pre p50':>9}{'pre p99':>9}{'queue p99':>10}{'lat p50':>9}{'lat p99':>9}"
              f"{'KiB':>6}"]
@@ -121,7 +122,7 @@ def format_table(runs: list[dict]) -> str:
         ok = f"{r['completed']}{'*' if r['truncated_by_duration'] else ''}"
         # The queue histogram's first bucket is 1 ms.
         queue = "<1" if (q["p99_ms"] or 0) <= 1.0 else format_ms(q["p99_ms"])
-        lines.append(f"{r['mode']:<9}{r['isl']:>7}{r['concurrency']:>6}"
+        lines.append(f"{r.get('frontends', 1):<4}{r['mode']:<9}{r['isl']:>7}{r['concurrency']:>6}"
                      f"{r['mean_in_flight']:>6.0f}{ok:>6}"
                      f"{r['request_throughput']:>7.0f}{r['server_cpu_per_request_us']:>7.0f}"
                      f"{'-' if eng is None else f'{eng:.0f}':>7}"

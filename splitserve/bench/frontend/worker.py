@@ -28,8 +28,9 @@ class BenchWorker(ServerProcess):
     """`splitserve serve` as a tiny-random GEN worker with --kv-backend none in a
     subprocess; `args` are its serve arguments, as the result records them."""
 
-    def __init__(self, cfg: FrontendBenchConfig, block_bytes: int):
+    def __init__(self, cfg: FrontendBenchConfig, block_bytes: int, frontends: int = 1):
         port = free_port()
+        self.frontends = frontends
         # 2 GiB by default: 262144 blocks, 32 prompts of 128k. With max_tokens 1 a request
         # holds its blocks from the engine step that allocates them to the next, which frees
         # them, so the pool bounds how many are admitted per step, not per second: the
@@ -43,6 +44,8 @@ class BenchWorker(ServerProcess):
                      str(cfg.block_size), "--num-blocks", str(num_blocks), "--max-num-seqs",
                      str(max(cfg.concurrency)), "--max-num-batched-tokens",
                      str(max(512, max(cfg.concurrency))), "--no-prefix-caching"]
+        if frontends > 1:
+            self.args += ["--api-server-count", str(frontends)]
         super().__init__(["serve", *self.args], port, threads=1)
 
     def wait_healthy(self, timeout: float = 180.0) -> None:
@@ -52,7 +55,10 @@ class BenchWorker(ServerProcess):
             raise BenchError(f"the worker {exc}") from None
 
     def engine_cpu_seconds(self) -> float | None:
-        """CPU time of the worker's child processes (its engine core), from /proc."""
+        """CPU time of the worker's child processes (its engine core), from /proc; None
+        with several front-ends, which are children too."""
+        if self.frontends > 1:
+            return None
         try:
             with open(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children") as f:
                 return sum(_cpu_seconds(int(pid)) for pid in f.read().split())
