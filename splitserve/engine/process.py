@@ -185,10 +185,12 @@ def _internal_error(request_id: str, what: str, index: int = -1) -> CompletionDe
 
 
 def _stats(engine: EngineCore) -> EngineStats:
-    bm = engine.block_manager
+    bm, pulls = engine.block_manager, engine.remote_kv.stats
     return EngineStats(engine.num_running, engine.num_waiting, bm.num_used_blocks, bm.num_blocks,
                        bm.prefix_queries, bm.prefix_hits, engine.remote_kv.num_leased_blocks,
-                       kv_error=engine.remote_kv.health() or "")
+                       kv_error=engine.remote_kv.health() or "",
+                       kv_bytes_pulled=pulls.bytes_pulled, kv_blocks_pulled=pulls.blocks_pulled,
+                       kv_blocks_reused=pulls.blocks_reused)
 
 
 def _recv_loop(ctx: zmq.Context, addr: str, in_q: queue.Queue) -> None:
