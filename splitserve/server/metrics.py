@@ -80,7 +80,7 @@ class ServerMetrics:
         self.prefix_queries.set_total(stats.prefix_cache_queries)
         self.prefix_hits.set_total(stats.prefix_cache_hits)
         for field, counter in self.kv_pulls.items():
-            counter.set_total(getattr(stats, field))
+            counter.set_total(getattr(stats, field, 0))   # 0: stats from before the field
 
     def update_process(self) -> None:
         """Called when /metrics is scraped."""
