@@ -142,7 +142,7 @@ class ZmqPullTransport(KVTransport):
         reply, frames = self._offer(msg.ctx_request_id, blocks)
         if tokens is not None and reply.error is None:   # the lease's array: never written
             reply.prompt_bytes = tokens.nbytes
-            frames = [*frames, memoryview(tokens.astype("<i4", copy=False))]
+            frames = [*frames, memoryview(np.ascontiguousarray(tokens, dtype="<i4"))]
         return [msgspec.msgpack.encode(reply), *frames]
 
     # -- GEN side -------------------------------------------------------------------------
