@@ -2,8 +2,11 @@
 
 GEN pulls, CTX serves. Each engine-core process owns one transport; its I/O runs on the
 transport's own threads, never on a front-end event loop and never on the step thread.
-The transport only moves bytes of whole KV blocks: which blocks, and when they may be
-freed, is the engine's business (splitserve/engine/kv_leases.py). Block ids come from the
+The transport only moves bytes of whole KV blocks (and, asked to, the leased prompt's int32
+ids): which blocks, and when they may be freed, is the engine's business
+(splitserve/engine/kv_leases.py). A GEN that holds the first blocks of a lease already
+(prefix cache hits) pulls only the rest: every backend takes `skip` (tcp and nixl offer
+only the blocks after it; none moves nothing anyway). Block ids come from the
 engine as int64 arrays that nobody writes in place.
 """
 

@@ -5,8 +5,9 @@ CTX: a ROUTER socket answers each PullRequest (after kv.base.check_pull) with th
 subclass's `_offer` builds, and releases a lease on its PullAck; whatever else arrives is
 dropped with a warning. GEN: kv.pull_pool runs the pulls, one at a time per CTX endpoint and
 side by side across CTXs; each is request, reply, checks, the subclass's `_receive` puts the
-bytes into local blocks, ack. A reply is checked whole before a byte is copied: a wrong one
-fails its pull and writes nothing. Given the cluster's secret, both sides speak CURVE
+bytes into local blocks, ack. A PullRequest may skip the lease's first blocks (the GEN has
+them) and ask for the prompt's int32 ids, which follow the blocks as one more frame. A reply
+is checked whole before a byte is copied: a wrong one fails its pull and writes nothing. Given the cluster's secret, both sides speak CURVE
 (kv/curve.py); without it the channel is plaintext.
 """
 
