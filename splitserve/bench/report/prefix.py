@@ -33,15 +33,8 @@ def prefix(cfg: ReportConfig) -> Section:
     port = free_port(3)    # `up --port P`: the orchestrator on P, CTX on P+1, GEN on P+2
     up = tool("up", *cfg.model_args, "--dtype", cfg.serve_dtype, "--port", str(port))
     url, gen = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port + 2}"
-    rng = np.random.default_rng(15)
-    runs: dict[tuple[str, bool], list[dict]] = {}
     with Service(up, url, cfg.result("logs/prefix-server.log"), cfg.start_timeout):
-        for mode in ("metadata", "b64"):
-            for _ in range(reps):
-                shared = rng.integers(3, VOCAB, PREFIX_LEN).tolist()
-                for hit in (False, True):
-                    prompt = shared + rng.integers(3, VOCAB, NEW).tolist()
-                    runs.setdefault((mode, hit), []).append(_moved(url, gen, prompt, mode))
+        runs = _measure(url, gen, reps)
     rows = [[mode, "hit" if hit else "miss", len(r), num(_mean(r, "blocks"), 1),
              num(_mean(r, "reused"), 1), num(_mean(r, "bytes") / 2**20, 2),
              num(_mean(r, "ms"), 1)] for (mode, hit), r in runs.items()]
@@ -63,6 +56,18 @@ def prefix(cfg: ReportConfig) -> Section:
         "cluster started as below. " + commands([up])])
     return Section(PREFIX, body, f"a {PREFIX_LEN:,}-token prefix hit on the GEN cuts the KV "
                    f"pulled per request from {miss / 2**20:.2f} to {hit / 2**20:.2f} MiB")
+
+
+def _measure(url: str, gen: str, reps: int) -> dict[tuple[str, bool], list[dict]]:
+    """(relay mode, prefix hit) -> what each of its requests moved."""
+    rng, runs = np.random.default_rng(15), {}
+    for mode in ("metadata", "b64"):
+        for _ in range(reps):
+            shared = rng.integers(3, VOCAB, PREFIX_LEN).tolist()
+            for hit in (False, True):
+                prompt = shared + rng.integers(3, VOCAB, NEW).tolist()
+                runs.setdefault((mode, hit), []).append(_moved(url, gen, prompt, mode))
+    return runs
 
 
 def _moved(url: str, gen: str, prompt: list[int], mode: str) -> dict:
