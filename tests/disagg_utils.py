@@ -35,10 +35,12 @@ def require_backend(backend):
 
 
 def engine(source, backend="tcp", lease=30.0, timeout=5.0, dtype="float32", block_size=4,
-           **kv_options):
-    """kv_options: more KVTransferConfig fields (connect_timeout, idle_seconds, ...)."""
+           prefix_caching=True, **kv_options):
+    """kv_options: more KVTransferConfig fields (connect_timeout, idle_seconds, ...).
+    prefix_caching=False: a GEN pulls every block of a prompt it has seen before too."""
     cfg = EngineConfig(model="tiny-random", dtype=dtype, seed=0,
-                       cache=CacheConfig(block_size, 128), scheduler=SchedulerConfig(64, 8),
+                       cache=CacheConfig(block_size, 128, enable_prefix_caching=prefix_caching),
+                       scheduler=SchedulerConfig(64, 8),
                        kv=KVTransferConfig(backend=backend, lease_seconds=lease, timeout=timeout,
                                            **kv_options))
     return EngineCore(cfg, source)

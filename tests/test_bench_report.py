@@ -52,6 +52,9 @@ def test_report_on_the_tiny_model(tmp_path):
     assert re.search(r"^\| orchestrator \| `orchestrator_relay` \| [1-9]", page, re.M)
     assert re.search(r"^\| server CPU/request .* \| (\*\*PASS\*\*|FAIL) \|$", page, re.M)
     assert "TTFT   time to first token" in page          # the metric definitions
+    for relay in ("metadata", "b64"):                     # prefix reuse: a hit pulls 4 of 68 blocks
+        assert re.search(rf"^\| {relay} \| miss \| 1 \| 68\.0 \| 0\.0 \| {NUMBER} \|", page, re.M)
+        assert re.search(rf"^\| {relay} \| hit \| 1 \| 4\.0 \| 64\.0 \| {NUMBER} \|", page, re.M)
 
     images = re.findall(r"!\[[^\]]*\]\(([^)]+\.png)\)", page)
     assert {os.path.basename(p) for p in images} >= {"cdf_ttft.png", "cdf_itl.png",

@@ -135,12 +135,13 @@ def test_length_only_prompt_decodes_identically(pair):
     ctx.step()
 
 
-def test_length_only_prompt_refuses_features_that_read_it(pair):
+def test_length_only_prompt_refuses_prompt_logprobs(pair):
+    """Prompt logprobs need the prompt computed here; what else reads the prompt's values
+    gets them with the KV (test_prompt_over_kv.py)."""
     ctx, gen = pair
     first = handoff(ctx, "c8")
     remote = RemotePrefill(first.kv_handle, first.token_ids)
-    for params, param in [(SamplingParams(repetition_penalty=1.2), "repetition_penalty"),
-                          (SamplingParams(prompt_logprobs=1), "prompt_logprobs")]:
+    for params, param in [(SamplingParams(prompt_logprobs=1), "prompt_logprobs")]:
         with pytest.raises(InvalidRequestError) as err:
             add_request(gen, "g8", PromptTokens.placeholder(len(PROMPT)), params, remote=remote)
         assert err.value.param == param

@@ -41,13 +41,15 @@ def backend(request):
 
 @pytest.fixture(scope="module")
 def pairs(tiny_source):
-    """pairs(backend) -> (ctx, gen) in-process engines, made once per backend."""
+    """pairs(backend) -> (ctx, gen) in-process engines, made once per backend. The GEN
+    keeps no prefix cache: the fake CTXs offer every block of PROMPT, pull after pull."""
     made = {}
 
     def get(backend):
         require_backend(backend)
         if backend not in made:
-            made[backend] = (engine(tiny_source, backend), engine(tiny_source, backend))
+            made[backend] = (engine(tiny_source, backend),
+                             engine(tiny_source, backend, prefix_caching=False))
         return made[backend]
     yield get
     for pair in made.values():

@@ -1,12 +1,11 @@
 """Property: for random sampling parameters, a length-only prompt (metadata relay) gives
-exactly the output of the full prompt (list relay), and every parameter that reads prompt
-values is caught by the guardrail, so auto falls back to b64."""
+exactly the output of the full prompt (list relay); whatever reads the prompt's values gets
+them with the KV (engine/prompt_reads.py), so auto relays the length only."""
 
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from splitserve.engine.prompt_reads import prompt_value_readers
-from splitserve.errors import InvalidRequestError
 from splitserve.orchestrator.relay import relay_mode
 from splitserve.protocol.engine import RemotePrefill
 from splitserve.sampling_params import SamplingParams
@@ -44,31 +43,26 @@ def trio(tiny_source):
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(params=params_strategy, echo=st.booleans())
-def test_metadata_equals_list_or_falls_back(trio, params, echo):
+def test_metadata_equals_list(trio, params, echo):
     ctx, gen_list, gen_meta = trio
     readers = prompt_value_readers(repetition_penalty=params.repetition_penalty,
                                    prompt_logprobs=params.prompt_logprobs, echo=echo)
     body = {"repetition_penalty": params.repetition_penalty,
             "prompt_logprobs": params.prompt_logprobs, "echo": echo}
-    assert relay_mode(dict(body), "auto") == ("b64" if readers else "metadata")
+    assert relay_mode(dict(body), "auto") == "metadata"
     if params.prompt_logprobs is not None:
         return   # routed aggregated by the orchestrator: GEN never prefills
     outs = []
     for gen, prompt in ((gen_list, PROMPT), (gen_meta, PromptTokens.placeholder(len(PROMPT)))):
         first = handoff(ctx, f"c{len(outs)}", params=params)
         remote = RemotePrefill(first.kv_handle, first.token_ids, first.logprobs)
-        engine_readers = [r for r in readers if r != "echo"]   # echo is the front-end's
-        if prompt.is_placeholder and engine_readers:
-            with pytest.raises(InvalidRequestError):
-                add_request(gen, "g", prompt, params, remote=remote)
-            ctx.remote_kv.leases.release(first.kv_handle.ctx_request_id,
-                                         first.kv_handle.lease_token)
-            ctx.step()
-            return
-        add_request(gen, "g", prompt, params, remote=remote)
+        add_request(gen, "g", prompt, params, remote=remote, prompt_back=echo)
         deltas = drain(gen)
+        assert not any(d.error for d in deltas), deltas
         outs.append((tokens(deltas), "".join(d.text for d in deltas),
                      [lp for d in deltas for lp in (d.logprobs or [])]))
+        if prompt.is_placeholder and readers:   # echo: the prompt's ids come back as bytes
+            assert deltas[0].prompt_bytes == (PROMPT.tobytes() if echo else b"")
         ctx.step()
     assert outs[0] == outs[1]
     for e in trio:

@@ -47,20 +47,17 @@ def test_every_mode_gives_the_aggregated_output(cluster, mode, path, body):
     assert "".join(pieces) == text_of(want)
 
 
-def test_auto_falls_back_to_b64_when_prompt_values_are_read(cluster):
+def test_auto_relays_length_only_when_prompt_values_are_read(cluster):
+    """Penalties and echo read the prompt on GEN: its ids come with the KV, not over HTTP."""
     _, gen, orch = cluster
-    body = {**COMPLETION, "repetition_penalty": 1.3}
-    before = metrics(gen.url)
-    _, want = post(gen.url + "/v1/completions", body)
-    status, got = post(orch.url + "/v1/completions", body)
-    assert status == 200 and text_of(got) == text_of(want)
-    after = metrics(gen.url)
-    key = 'splitserve_token_relay_total{mode="b64"}'
-    assert after[key] == before.get(key, 0) + 1
-    # And length only when nothing reads them.
-    post(orch.url + "/v1/completions", COMPLETION)
     key = 'splitserve_token_relay_total{mode="metadata"}'
-    assert metrics(gen.url)[key] == after.get(key, 0) + 1
+    for extra in ({"repetition_penalty": 1.3}, {"echo": True}, {}):
+        body = {**COMPLETION, **extra}
+        before = metrics(gen.url)
+        _, want = post(gen.url + "/v1/completions", body)
+        status, got = post(orch.url + "/v1/completions", body)
+        assert status == 200 and text_of(got) == text_of(want)
+        assert metrics(gen.url)[key] == before.get(key, 0) + 1
 
 
 def ctx_answer(ctx, relay):
@@ -93,10 +90,8 @@ def test_bad_relayed_tokens_get_400_and_leak_nothing(cluster):
         assert param in (err["error"]["param"] or ""), err
     meta = ctx_answer(ctx, "metadata")
     assert "prompt_token_ids" not in meta and "prompt_token_ids_b64" not in meta
-    for extra, param in [({"repetition_penalty": 1.2}, "repetition_penalty"),
-                         ({"echo": True}, "echo")]:
-        status, err = gen_request(gen, meta, **extra)
-        assert status == 400 and err["error"]["param"] == param
+    status, err = gen_request(gen, meta, prompt_logprobs=1)
+    assert status == 400 and err["error"]["param"] == "prompt_logprobs"
     status, ok = gen_request(gen, meta)
     assert status == 200 and ok["usage"]["prompt_tokens"] == n
     assert metrics(gen.url)["splitserve_kv_blocks_used"] == 0

@@ -13,7 +13,6 @@ import numpy as np
 
 from splitserve.engine.prompt_digest import chain_hashes
 from splitserve.engine.prompt_digest import prompt_digest
-from splitserve.engine.prompt_reads import prompt_value_readers
 from splitserve.errors import InvalidRequestError
 from splitserve.protocol.engine import KVHandle
 from splitserve.sampling_params import SamplingParams
@@ -40,14 +39,14 @@ def check_prompt(prompt: PromptTokens, params: SamplingParams, vocab_size: int,
 
 
 def check_length_only(params: SamplingParams, remote) -> None:
+    """A length-only prompt's KV comes from a context worker; the values that penalties or
+    echo read come with it (prompt_reads.py), but prompt logprobs need the prompt computed."""
     if remote is None:
         raise InvalidRequestError("a length-only prompt needs its KV from a context worker",
                                   "prompt")
-    readers = prompt_value_readers(repetition_penalty=params.repetition_penalty,
-                                   prompt_logprobs=params.prompt_logprobs)
-    if readers:
-        raise InvalidRequestError(f"{', '.join(readers)} read prompt token values, which a "
-                                  f"length-only prompt does not have", readers[0])
+    if params.prompt_logprobs is not None:
+        raise InvalidRequestError("prompt_logprobs needs the prompt prefilled here, but its KV "
+                                  "comes from a context worker", "prompt_logprobs")
 
 
 def check_relayed_prompt(tokens: np.ndarray, handle: KVHandle, block_size: int) -> list[bytes]:

@@ -77,8 +77,20 @@ class BlockManager:
         if not self.enable_prefix_caching or req.prompt.is_placeholder:
             return NO_BLOCKS
         self._extend_hashes(req, req.num_tokens)
+        return self._lookup(req, req.block_hashes[: (req.num_tokens - 1) // self.block_size])
+
+    def find_pulled_prefix(self, req: Request) -> np.ndarray:
+        """generation_only: blocks holding the longest cached prefix of req's full prompt
+        blocks, by the hashes it came with (of its relayed tokens, or the context worker's for
+        a length-only prompt; none: no lookup); its KV pull skips them. Every full block may
+        hit: the context worker sampled the first token, nothing is computed here."""
+        if not self.enable_prefix_caching:
+            return NO_BLOCKS
+        return self._lookup(req, req.block_hashes[:req.num_prompt_tokens // self.block_size])
+
+    def _lookup(self, req: Request, hashes: list[bytes]) -> np.ndarray:
         hits = []
-        for h in req.block_hashes[: (req.num_tokens - 1) // self.block_size]:
+        for h in hashes:
             block = self.cached.get(h)
             if block is None:
                 break
@@ -88,11 +100,15 @@ class BlockManager:
         return np.array(hits, dtype=np.int64)
 
     def cache_full_blocks(self, req: Request) -> None:
-        """Publish req's blocks that are full of computed KV under their chained hashes."""
-        if not self.enable_prefix_caching or req.prompt.is_placeholder:
+        """Publish req's blocks that are full of computed KV under their chained hashes. A
+        length-only prompt has only the hashes it came with: its full prompt blocks."""
+        if not self.enable_prefix_caching:
             return
         n_full = req.num_computed_tokens // self.block_size
-        self._extend_hashes(req, req.num_computed_tokens)
+        if req.prompt.is_placeholder:
+            n_full = min(n_full, len(req.block_hashes))
+        else:
+            self._extend_hashes(req, req.num_computed_tokens)
         blocks = req.block_ids[:n_full]
         # Runs every step: blocks that hold a hash already (published on an earlier step, or
         # prefix hits) are skipped in bulk.

@@ -19,6 +19,7 @@ from splitserve.engine.admission import (check_length_only, check_prompt,
 from splitserve.engine.failures import FailureHandling
 from splitserve.engine.output import OutputBuilder
 from splitserve.engine.disagg import RemoteKV
+from splitserve.engine.prompt_reads import reads_prompt
 from splitserve.engine.request import FinishReason, Request
 from splitserve.engine.runner import ModelRunner, StepResult
 from splitserve.engine.sampler import Sampler, prompt_logprobs
@@ -83,6 +84,8 @@ class EngineCore(FailureHandling):
             if not prompt.is_placeholder:
                 hashes = check_relayed_prompt(prompt.array, remote.handle,
                                               self.block_manager.block_size)
+            else:   # the context worker's: trusted, as the peer that sent them is
+                hashes = self.remote_kv.peer_hashes(remote.handle, len(prompt))
         if prompt.is_placeholder:
             check_length_only(params, remote)
         if resumed is not None:
@@ -111,6 +114,8 @@ class EngineCore(FailureHandling):
                          received_time, group_id=rid, kind=request.kind, remote=request.remote,
                          siblings=siblings, block_hashes=hashes,
                          resumed=None if resumed is None else resumed.tolist())
+        leader.pull_prompt = prompt.is_placeholder and reads_prompt(params, request.prompt_back)
+        leader.prompt_back = leader.pull_prompt and request.prompt_back
         children = self.groups[rid] = [leader, *siblings]
         if not request.stream:
             for req in children:

@@ -10,19 +10,36 @@ from __future__ import annotations
 import logging
 import queue
 
+from dataclasses import dataclass
+
 import msgspec
 
 from splitserve.config import KVTransferConfig
+from splitserve.engine.admission import check_relayed_prompt
 from splitserve.engine.block_manager import BlockManager
+from splitserve.engine.prompt_digest import prompt_digest
 from splitserve.engine.kv_leases import LeaseTable
 from splitserve.engine.request import NO_BLOCKS, Request
 from splitserve.errors import InvalidRequestError
 from splitserve.kv.base import PullResult, layout_fingerprint, make_transport
 from splitserve.kv.peers import KVPeers
 from splitserve.kv.sockets import valid_endpoint
-from splitserve.protocol.engine import KVHandle, RemotePrefill
+from splitserve.protocol.engine import HASH_BYTES, KVHandle, RemotePrefill
+from splitserve.tokens import PromptTokens
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PullStats:
+    """generation_only pulls so far (engine thread): what /metrics shows."""
+    bytes_pulled: int = 0
+    blocks_pulled: int = 0
+    blocks_reused: int = 0    # prompt blocks the prefix cache had: not pulled
+
+    def count(self, result: PullResult, block_nbytes: int) -> None:
+        self.bytes_pulled += result.nbytes
+        self.blocks_pulled += result.nbytes // block_nbytes
 
 
 class RemoteKV:
@@ -39,7 +56,9 @@ class RemoteKV:
                                         idle_seconds=config.idle_seconds,
                                         pull_threads=config.pull_threads, secret=config.secret)
         self.endpoint = self.transport.start(self.leases)
-        self.results: queue.SimpleQueue = queue.SimpleQueue()
+        self.results: queue.SimpleQueue = queue.SimpleQueue()   # (req, PullResult, hashes)
+        self.vocab_size = model_config.vocab_size
+        self.stats = PullStats()
         self._log_start()
 
     def _log_start(self) -> None:
@@ -53,15 +72,18 @@ class RemoteKV:
 
     # -- context_only ---------------------------------------------------------------------
     def lease(self, req: Request) -> KVHandle:
-        """Move req's block references into a lease; the caller finishes the request."""
-        digest = self.bm.prompt_digest(req)
-        token = self.leases.add(req.request_id, req.block_ids, req.num_prompt_tokens, digest)
+        """Move req's block references into a lease, with its prompt's token ids for a GEN
+        that asks for them; the caller finishes the request."""
+        hashes = self.bm.prompt_hashes(req)
+        digest = prompt_digest(req.prompt.array, self.bm.block_size, hashes)
+        token = self.leases.add(req.request_id, req.block_ids, req.num_prompt_tokens, digest,
+                                req.prompt.array)
         req.block_ids = NO_BLOCKS
         return KVHandle(backend=self.config.backend, endpoint=self.endpoint,
                         ctx_request_id=req.request_id, layout=self.layout,
                         num_tokens=req.num_prompt_tokens,
                         agent_metadata=self.transport.agent_metadata(), lease_token=token,
-                        prompt_digest=digest)
+                        prompt_digest=digest, block_hashes=b"".join(hashes))
 
     def release_ended_leases(self) -> None:
         for block_ids in self.leases.collect():
@@ -92,26 +114,72 @@ class RemoteKV:
             raise InvalidRequestError("first_gen_tokens must be token ids of this vocabulary",
                                       "disaggregated_params.first_gen_tokens")
 
+    def peer_hashes(self, handle: KVHandle, prompt_len: int) -> list[bytes]:
+        """The handle's block hashes, one per full block of the prompt (none: no prefix
+        reuse). Trusted: only a peer with the internal secret can send a handle."""
+        raw, bs = handle.block_hashes, self.bm.block_size
+        if not raw:
+            return []
+        if len(raw) != HASH_BYTES * (prompt_len // bs):
+            raise InvalidRequestError(
+                f"the KV handle carries {len(raw) // HASH_BYTES} block hashes; a prompt of "
+                f"{prompt_len} tokens has {prompt_len // bs} full blocks of {bs} tokens",
+                "disaggregated_params.kv_handle")
+        return [raw[i:i + HASH_BYTES] for i in range(0, len(raw), HASH_BYTES)]
+
     def start_pull(self, req: Request) -> None:
+        """Pulls the prompt's blocks that the prefix cache did not give it (the first
+        num_cached_tokens' worth are its own already), and its token ids if they are read."""
         req.pulling = True
+        skip = req.num_cached_tokens // self.bm.block_size
+        self.stats.blocks_reused += skip
         n_blocks = self.bm.blocks_needed(req.num_prompt_tokens)
         # The CTX compares num_tokens with the lease: send this request's own prompt_len.
         handle = msgspec.structs.replace(req.remote.handle, num_tokens=req.num_prompt_tokens)
-        self.transport.pull(handle, req.block_ids[:n_blocks],
-                            lambda result: self._done(req, result))
+        self.transport.pull(handle, req.block_ids[skip:n_blocks],
+                            lambda result: self._done(req, result), skip=skip,
+                            with_tokens=req.pull_prompt)
 
     def _done(self, req: Request, result: PullResult) -> None:   # a transport thread
-        self.results.put((req, result))
+        hashes = None
+        if result.ok and req.pull_prompt:   # hashing a long prompt stays off the engine thread
+            result, hashes = self._check_tokens(req, result)
+        self.results.put((req, result, hashes))
         self.wake()
 
+    def _check_tokens(self, req: Request, result: PullResult) -> tuple[PullResult, list | None]:
+        """The pulled prompt's block hashes once its ids are the handle's prompt (digest),
+        of this vocabulary, and hash to the block hashes the request came with (if any)."""
+        tokens, bs = result.tokens, self.bm.block_size
+        error = hashes = None
+        if tokens is None:
+            error = f"the {self.config.backend} KV transport brought no prompt token ids"
+        elif len(tokens) and (tokens.min() < 0 or tokens.max() >= self.vocab_size):
+            error = "the context worker sent prompt token ids outside the vocabulary"
+        else:
+            try:
+                hashes = check_relayed_prompt(tokens, req.remote.handle, bs)
+            except InvalidRequestError as exc:
+                error = f"the prompt token ids pulled with the KV: {exc.message}"
+            if hashes is not None and req.block_hashes and req.block_hashes != hashes:
+                error = "the context worker's block hashes are not its prompt's"
+        if error is None:
+            return result, hashes
+        return PullResult(False, error=error, nbytes=result.nbytes, seconds=result.seconds), None
+
     def finished_pulls(self) -> list[tuple[Request, PullResult]]:
+        """Pulls that ended; a request whose prompt came with its KV has it in place of its
+        placeholder from here on (and its verified block hashes)."""
         out = []
         while not self.results.empty():
-            req, result = self.results.get()
+            req, result, hashes = self.results.get()
             req.pulling = False
+            self.stats.count(result, self.transport.block_nbytes)
             if not result.ok:   # the endpoint goes to the log only, never to the client
                 logger.warning("engine: KV pull of %s from %s failed: %s", req.request_id,
                                req.remote.handle.endpoint, result.error)
+            elif hashes is not None:
+                req.prompt, req.block_hashes = PromptTokens(result.tokens), hashes
             out.append((req, result))
         return out
 

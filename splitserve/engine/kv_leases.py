@@ -30,6 +30,7 @@ class Lease:
     expires_at: float
     token: str
     digest: str = ""          # engine/prompt_digest.py's digest of the leased prompt
+    tokens: np.ndarray | None = None   # the prompt's int32 ids (read-only), for GENs that ask
     sending: bool = field(default=False)
 
 
@@ -51,7 +52,7 @@ class LeaseTable(LeaseView):
         self._watchers.append((started, ended))
 
     def add(self, ctx_request_id: str, block_ids: np.ndarray, num_tokens: int,
-            digest: str = "") -> str:
+            digest: str = "", tokens: np.ndarray | None = None) -> str:
         """Takes over block_ids: the caller holds neither the array nor its references.
         Returns the lease's token."""
         token = secrets.token_urlsafe(16)
@@ -67,7 +68,7 @@ class LeaseTable(LeaseView):
         with self._lock:
             self.leases[ctx_request_id] = Lease(block_ids, num_tokens,
                                                 time.monotonic() + self.lease_seconds, token,
-                                                digest)
+                                                digest, tokens)
         return token
 
     # -- transport threads ----------------------------------------------------------------
@@ -88,6 +89,11 @@ class LeaseTable(LeaseView):
                 return None
             lease.sending = True    # not expired under an in-flight send
             return lease.block_ids, lease.num_tokens
+
+    def lookup_tokens(self, ctx_request_id: str, lease_token: str) -> np.ndarray | None:
+        with self._lock:
+            lease = self._find(ctx_request_id, lease_token, "")
+            return None if lease is None else lease.tokens
 
     def release(self, ctx_request_id: str, lease_token: str) -> bool:
         with self._lock:

@@ -67,6 +67,8 @@ class OutputBuilder:
                 delta.prefill_time = time.monotonic() - req.first_scheduled_time
             delta.kv_transfer_time = req.kv_transfer_time
             delta.admit_time = req.admit_time
+            if req.prompt_back:   # its values came with the KV: the front-end echoes them
+                delta.prompt_bytes = req.prompt.tobytes()
             if id(req) in self.final_only:
                 delta.first_token_time = time.time()   # its TTFT: no delta leaves now
         reason = self._check_stop(req, token, delta)

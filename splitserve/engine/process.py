@@ -193,9 +193,11 @@ def _add(engine: EngineCore, msg: EngineRequest, frame, received: float,
 
 
 def _stats(engine: EngineCore) -> EngineStats:
-    bm = engine.block_manager
+    bm, pulls = engine.block_manager, engine.remote_kv.stats
     return EngineStats(engine.num_running, engine.num_waiting, bm.num_used_blocks, bm.num_blocks,
                        bm.prefix_queries, bm.prefix_hits, engine.remote_kv.num_leased_blocks,
-                       kv_error=engine.remote_kv.health() or "")
+                       kv_error=engine.remote_kv.health() or "",
+                       kv_bytes_pulled=pulls.bytes_pulled, kv_blocks_pulled=pulls.blocks_pulled,
+                       kv_blocks_reused=pulls.blocks_reused)
 
 

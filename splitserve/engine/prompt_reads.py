@@ -2,17 +2,25 @@
 values, in one place.
 
 A generation worker may receive only a prompt's length (token relay mode `metadata`): its
-KV arrives from the context worker, and decoding needs only the generated tokens. That is
-correct exactly when nothing reads the prompt's values. Per request, these do:
+KV arrives from the context worker, and decoding needs only the generated tokens. Per
+request, these read the prompt's values:
 
 - repetition_penalty != 1: penalizes tokens present in the prompt (sampler.py);
 - prompt_logprobs: scores every prompt token (runner.py / sampler.py);
 - echo (completions): returns the prompt text and, with logprobs, its tokens.
 
-And inside the engine, whatever the request asks:
+For such a request the prompt's int32 ids ride the KV pull (engine/disagg.py): the
+context worker's lease keeps them, the pull thread checks them against the KV handle's
+prompt digest, and they replace the placeholder before the request decodes; echo gets them
+back in its first delta as raw bytes. So no relay mode puts the prompt on the generation
+worker's event loop. prompt_logprobs alone cannot be served that way (the prompt must be
+computed where its logprobs are wanted): the orchestrator runs it aggregated.
 
-- prefix caching keys blocks by token values: skipped for length-only prompts
-  (block_manager.py);
+Inside the engine, whatever the request asks:
+
+- prefix caching keys blocks by chained hashes of token values: a length-only prompt uses
+  the hashes the context worker sent with its KV handle (of its full blocks) to find
+  blocks it need not pull, and files the pulled blocks under them (block_manager.py);
 - preemption recomputes a request from its tokens: length-only requests are never chosen
   as victims (scheduler.py);
 - detokenization reads only generated tokens (byte-level BPE decodes them exactly without
@@ -37,3 +45,10 @@ def prompt_value_readers(*, repetition_penalty: float | None = None,
     if echo:
         readers.append("echo")
     return readers
+
+
+def reads_prompt(params, prompt_back: bool = False) -> bool:
+    """Does a generation_only request read its prompt's values (its sampling params, or the
+    front-end, prompt_back: echo)? Then a length-only prompt's ids come with its KV."""
+    return prompt_back or bool(prompt_value_readers(
+        repetition_penalty=params.repetition_penalty, prompt_logprobs=params.prompt_logprobs))

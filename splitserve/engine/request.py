@@ -95,6 +95,11 @@ class Request:
         self.context_only = kind == RequestKind.CONTEXT_ONLY
         self.remote = remote
         self.pulling = False              # a transport thread is writing into its blocks
+        # A length-only prompt whose values something reads (prompt_reads.py): they come with
+        # the KV pull and replace the placeholder before anything reads them; prompt_back: the
+        # front-end wants them too (CompletionDelta.prompt_bytes).
+        self.pull_prompt = False
+        self.prompt_back = False
         self.kv_transfer_time = 0.0
         # Output budget, clamped so prompt + output never exceeds the model's context.
         limit = max_model_len - len(prompt)

@@ -108,11 +108,16 @@ class Scheduler:
             if req.remote is not None:
                 # The prompt's KV comes from a context worker: blocks now, no compute budget,
                 # so a step whose budget the running decodes used up still starts pulls.
-                if not self._allocate(req, req.num_prompt_tokens, out):
+                # Blocks the prefix cache holds are taken as they are and not pulled.
+                cached = self._pulled_prefix(req, out)
+                reused = len(cached) * self.bm.block_size
+                if not (req in out.failed or
+                        self._allocate(req, req.num_prompt_tokens - reused, out, cached)):
                     break
                 self.waiting.popleft()
                 if req in out.failed:
                     continue
+                req.num_cached_tokens = reused
                 req.status = RequestStatus.WAITING_FOR_REMOTE_KV
                 req.first_scheduled_time = time.monotonic()
                 self.transferring.append(req)
@@ -140,13 +145,16 @@ class Scheduler:
             out.scheduled.append((req, n))
             budget -= n
 
-    def _cached_prefix(self, req: Request, out: SchedulerOutput):
+    def _cached_prefix(self, req: Request, out: SchedulerOutput, find=None):
         try:
-            return self.bm.find_cached_prefix(req)
+            return (find or self.bm.find_cached_prefix)(req)
         except Exception:
             logger.exception("engine: the prefix cache lookup for %s failed", req.request_id)
             out.failed.append(req)
             return NO_BLOCKS
+
+    def _pulled_prefix(self, req: Request, out: SchedulerOutput):
+        return self._cached_prefix(req, out, self.bm.find_pulled_prefix)
 
     @property
     def _num_admitted(self) -> int:

@@ -2,8 +2,11 @@
 
 GEN pulls, CTX serves. Each engine-core process owns one transport; its I/O runs on the
 transport's own threads, never on a front-end event loop and never on the step thread.
-The transport only moves bytes of whole KV blocks: which blocks, and when they may be
-freed, is the engine's business (splitserve/engine/kv_leases.py). Block ids come from the
+The transport only moves bytes of whole KV blocks (and, asked to, the leased prompt's int32
+ids): which blocks, and when they may be freed, is the engine's business
+(splitserve/engine/kv_leases.py). A GEN that holds the first blocks of a lease already
+(prefix cache hits) pulls only the rest: every backend takes `skip` (tcp and nixl offer
+only the blocks after it; none moves nothing anyway). Block ids come from the
 engine as int64 arrays that nobody writes in place.
 """
 
@@ -27,8 +30,9 @@ from splitserve.protocol.engine import KVHandle
 class PullResult:
     ok: bool
     error: str | None = None
-    nbytes: int = 0
+    nbytes: int = 0                      # KV bytes copied
     seconds: float = 0.0
+    tokens: np.ndarray | None = None     # with_tokens: the prompt's int32 ids, as the CTX sent them
 
 
 def layout_fingerprint(cfg: ModelConfig, dtype: torch.dtype, block_size: int) -> str:
@@ -52,6 +56,11 @@ class LeaseView(abc.ABC):
         """GEN has the bytes: the engine may free the blocks (it does so on its own thread).
         False if no live lease has this id and token (nothing is freed)."""
 
+    def lookup_tokens(self, ctx_request_id: str, lease_token: str) -> np.ndarray | None:
+        """The int32 token ids of the prompt a live lease (with this token) holds the KV of;
+        None if there is no such lease or it keeps no tokens."""
+        return None
+
     def watch(self, started: Callable[[str, np.ndarray], None],
               ended: Callable[[str], None]) -> None:
         """Call started(ctx_request_id, block ids) as a lease begins, before a pull can find
@@ -62,8 +71,8 @@ class LeaseView(abc.ABC):
 
 
 def check_pull(leases: LeaseView, layout: str, msg: PullRequest) -> tuple[str | None, np.ndarray | None]:
-    """(error, None) or (None, block ids) for a GEN's request to pull a lease: the same
-    checks and words whichever backend serves it."""
+    """(error, None) or (None, block ids to send: the lease's from msg.skip_blocks on) for a
+    GEN's request to pull a lease: the same checks and words whichever backend serves it."""
     if msg.layout != layout:
         return ("KV layout mismatch: the context and generation workers differ in model, "
                 "dtype or KV block size"), None
@@ -77,7 +86,9 @@ def check_pull(leases: LeaseView, layout: str, msg: PullRequest) -> tuple[str | 
     if len(blocks) != msg.num_blocks:
         return (f"the generation worker expects {msg.num_blocks} KV blocks but "
                 f"{msg.ctx_request_id!r} holds {len(blocks)} ({num_tokens} tokens)"), None
-    return None, blocks
+    if not 0 <= msg.skip_blocks <= len(blocks):
+        return f"skip_blocks {msg.skip_blocks} is not between 0 and {len(blocks)}", None
+    return None, blocks[msg.skip_blocks:]
 
 
 class KVTransport(abc.ABC):
@@ -96,9 +107,11 @@ class KVTransport(abc.ABC):
         """Start serving leased blocks; returns this engine's endpoint for KVHandles."""
 
     @abc.abstractmethod
-    def pull(self, handle: KVHandle, dst_blocks: np.ndarray,
-             done: Callable[[PullResult], None]) -> None:
-        """Copy the handle's blocks into dst_blocks (int64, same count), then call done once."""
+    def pull(self, handle: KVHandle, dst_blocks: np.ndarray, done: Callable[[PullResult], None],
+             skip: int = 0, with_tokens: bool = False) -> None:
+        """Copy the handle's blocks from the skip-th on (the GEN has the first skip: prefix
+        cache hits) into dst_blocks (int64, as many), then call done once. with_tokens: the
+        prompt's token ids come too (PullResult.tokens), for a GEN given only its length."""
 
     def agent_metadata(self) -> bytes:
         return b""

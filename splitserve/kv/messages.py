@@ -27,6 +27,10 @@ class PullRequest(msgspec.Struct, tag="pull"):
     num_blocks: int     # blocks the GEN allocated for the prompt
     num_tokens: int     # the GEN's prompt_len: must equal the lease's
     prompt_digest: str = ""   # the handle's: must equal the lease's (when both are set)
+    # The GEN has the first skip_blocks of the lease's blocks already (prefix cache hits):
+    # it is offered the rest only.
+    skip_blocks: int = 0
+    want_tokens: bool = False   # also send the prompt's int32 token ids (a last frame)
 
 
 class PullAck(msgspec.Struct, tag="ack"):
@@ -36,10 +40,11 @@ class PullAck(msgspec.Struct, tag="ack"):
 
 
 class TcpPullReply(msgspec.Struct):
-    """Followed by num_blocks frames, one block's bytes each."""
+    """Followed by num_blocks frames, one block's bytes each (then the prompt's frame)."""
     ctx_request_id: str = ""
     error: str | None = None
     num_blocks: int = 0
+    prompt_bytes: int = 0         # want_tokens: the size of the last frame, the prompt's ids
 
 
 class NixlPullReply(msgspec.Struct):
@@ -51,3 +56,4 @@ class NixlPullReply(msgspec.Struct):
     base_addr: int = 0            # the CTX's KV cache: block b starts at base + b * block_bytes
     block_bytes: int = 0
     block_ids: list[int] = []
+    prompt_bytes: int = 0         # want_tokens: the size of the one frame after the reply

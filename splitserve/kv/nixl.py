@@ -37,7 +37,6 @@ import threading
 import time
 import uuid
 
-import msgspec
 import numpy as np
 import torch
 
@@ -161,17 +160,16 @@ class NixlTransport(ZmqPullTransport):
                 logger.error("kv-nixl: could not deregister lease %s's blocks: %s",
                              ctx_request_id, exc)
 
-    def _offer(self, ctx_request_id: str, blocks: np.ndarray) -> list:
+    def _offer(self, ctx_request_id: str, blocks: np.ndarray) -> tuple[NixlPullReply, list]:
         with self._leased_lock:
             entry = self._leased.get(ctx_request_id)
         if entry is None:   # ended since the lookup
-            return [msgspec.msgpack.encode(NixlPullReply(
-                ctx_request_id=ctx_request_id, error=f"unknown or expired ctx_request_id "
-                                                     f"{ctx_request_id!r}"))]
-        return [msgspec.msgpack.encode(NixlPullReply(
+            return NixlPullReply(ctx_request_id=ctx_request_id, error=f"unknown or expired "
+                                 f"ctx_request_id {ctx_request_id!r}"), []
+        return NixlPullReply(
             ctx_request_id=ctx_request_id, agent_name=self.agent_name, agent_metadata=entry[1],
             base_addr=self.kv_cache.data_ptr(), block_bytes=self.block_nbytes,
-            block_ids=blocks.tolist()))]
+            block_ids=blocks.tolist()), []
 
     def agent_metadata(self) -> bytes:
         # The reply to a PullRequest carries the metadata, so KVHandles (relayed per request

@@ -34,9 +34,11 @@ class NoneTransport(KVTransport):
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"tcp://{host}:0"
 
-    def pull(self, handle: KVHandle, dst_blocks: np.ndarray,
-             done: Callable[[PullResult], None]) -> None:
-        done(PullResult(ok=True))    # on the caller's thread: there is no transport thread
+    def pull(self, handle: KVHandle, dst_blocks: np.ndarray, done: Callable[[PullResult], None],
+             skip: int = 0, with_tokens: bool = False) -> None:
+        # On the caller's thread: there is no transport thread. No tokens either: a request
+        # that needs its prompt's values fails.
+        done(PullResult(ok=True))
 
     def close(self) -> None:
         pass

@@ -32,8 +32,10 @@ CLOSED = "the KV transport was closed"
 @dataclass
 class Job:
     handle: KVHandle
-    dst: np.ndarray
+    dst: np.ndarray                 # local blocks for the lease's blocks from `skip` on
     done: Callable[[PullResult], None]
+    skip: int = 0                   # the lease's first blocks the GEN has already
+    with_tokens: bool = False       # the prompt's token ids come too
 
 
 @dataclass
@@ -52,7 +54,8 @@ def finish(job: Job, result: PullResult) -> None:
 
 class PullPool:
     def __init__(self, name: str, threads: int, idle_seconds: float,
-                 open_peer: Callable[[str], Peer], run: Callable[[Peer, KVHandle, np.ndarray], int]):
+                 open_peer: Callable[[str], Peer],
+                 run: Callable[[Peer, Job], tuple[int, np.ndarray | None]]):
         self.idle_seconds = idle_seconds
         self.open_peer, self.run = open_peer, run
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()   # Jobs, _Finished, None: stop
@@ -175,8 +178,9 @@ class PullPool:
         try:
             if peer is None:
                 peer = self.open_peer(job.handle.endpoint)
-            nbytes = self.run(peer, job.handle, job.dst)
-            result = PullResult(True, nbytes=nbytes, seconds=time.perf_counter() - t0)
+            nbytes, tokens = self.run(peer, job)
+            result = PullResult(True, nbytes=nbytes, seconds=time.perf_counter() - t0,
+                                tokens=tokens)
         except Exception as exc:   # any failure ends this pull, never the thread
             if isinstance(exc, PeerUnavailable):
                 unavailable = str(exc)

@@ -9,7 +9,6 @@ own blocks. The conversation itself is kv.zmq_pull's.
 
 from __future__ import annotations
 
-import msgspec
 import numpy as np
 
 from splitserve.kv.base import register
@@ -23,10 +22,9 @@ from splitserve.protocol.engine import KVHandle
 class TcpTransport(ZmqPullTransport):
     reply_type = TcpPullReply
 
-    def _offer(self, ctx_request_id: str, blocks: np.ndarray) -> list:
+    def _offer(self, ctx_request_id: str, blocks: np.ndarray) -> tuple[TcpPullReply, list]:
         frames = [memoryview(self.block_bytes(b).numpy()) for b in blocks.tolist()]
-        reply = TcpPullReply(ctx_request_id=ctx_request_id, num_blocks=len(blocks))
-        return [msgspec.msgpack.encode(reply), *frames]
+        return TcpPullReply(ctx_request_id=ctx_request_id, num_blocks=len(blocks)), frames
 
     def _max_frame(self) -> int:
         return max(self.block_nbytes, MAX_REPLY_BYTES)

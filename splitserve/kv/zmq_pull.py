@@ -5,8 +5,9 @@ CTX: a ROUTER socket answers each PullRequest (after kv.base.check_pull) with th
 subclass's `_offer` builds, and releases a lease on its PullAck; whatever else arrives is
 dropped with a warning. GEN: kv.pull_pool runs the pulls, one at a time per CTX endpoint and
 side by side across CTXs; each is request, reply, checks, the subclass's `_receive` puts the
-bytes into local blocks, ack. A reply is checked whole before a byte is copied: a wrong one
-fails its pull and writes nothing. Given the cluster's secret, both sides speak CURVE
+bytes into local blocks, ack. A PullRequest may skip the lease's first blocks (the GEN has
+them) and ask for the prompt's int32 ids, which follow the blocks as one more frame. A reply
+is checked whole before a byte is copied: a wrong one fails its pull and writes nothing. Given the cluster's secret, both sides speak CURVE
 (kv/curve.py); without it the channel is plaintext.
 """
 
@@ -58,8 +59,8 @@ class ZmqPullTransport(KVTransport):
         self._own_threads: list[threading.Thread] = []   # serving and ZAP: joined on close
 
     @abc.abstractmethod
-    def _offer(self, ctx_request_id: str, blocks: np.ndarray) -> list:
-        """CTX: the reply frames that hand these leased blocks to the GEN."""
+    def _offer(self, ctx_request_id: str, blocks: np.ndarray) -> tuple[msgspec.Struct, list]:
+        """CTX: the reply and the frames after it that hand these leased blocks to the GEN."""
 
     @abc.abstractmethod
     def _receive(self, handle: KVHandle, reply, frames: list, dst: np.ndarray,
@@ -131,32 +132,48 @@ class ZmqPullTransport(KVTransport):
 
     def _answer(self, msg: PullRequest, leases: LeaseView) -> list:
         error, blocks = check_pull(leases, self.layout, msg)
+        tokens = None
+        if error is None and msg.want_tokens:
+            tokens = leases.lookup_tokens(msg.ctx_request_id, msg.lease_token)
+            if tokens is None:
+                error = f"{msg.ctx_request_id!r} keeps no prompt tokens"
         if error is not None:
             return [msgspec.msgpack.encode(self.reply_type(ctx_request_id=msg.ctx_request_id,
                                                            error=error))]
-        return self._offer(msg.ctx_request_id, blocks)
+        reply, frames = self._offer(msg.ctx_request_id, blocks)
+        if tokens is not None and reply.error is None:   # the lease's array: never written
+            reply.prompt_bytes = tokens.nbytes
+            frames = [*frames, memoryview(np.ascontiguousarray(tokens, dtype="<i4"))]
+        return [msgspec.msgpack.encode(reply), *frames]
 
     # -- GEN side -------------------------------------------------------------------------
-    def pull(self, handle: KVHandle, dst_blocks: np.ndarray,
-             done: Callable[[PullResult], None]) -> None:
-        self.pool.submit(Job(handle, dst_blocks, done))
+    def pull(self, handle: KVHandle, dst_blocks: np.ndarray, done: Callable[[PullResult], None],
+             skip: int = 0, with_tokens: bool = False) -> None:
+        self.pool.submit(Job(handle, dst_blocks, done, skip, with_tokens))
 
     def _open_peer(self, endpoint: str) -> Peer:
-        return Peer(self.ctx, endpoint, self._max_frame(), self.timeout, self.connect_timeout,
-                    self.keys)
+        # A prompt's token frame holds at most as many tokens as this whole cache.
+        max_tokens = self.kv_cache.shape[0] * self.kv_cache.shape[3]
+        return Peer(self.ctx, endpoint, max(self._max_frame(), 4 * max_tokens), self.timeout,
+                    self.connect_timeout, self.keys)
 
-    def _pull_one(self, peer: Peer, handle: KVHandle, dst: np.ndarray) -> int:
-        deadline = time.monotonic() + self.timeout
-        request = msgspec.msgpack.encode(PullRequest(handle.ctx_request_id, handle.lease_token,
-                                                     self.layout, len(dst), handle.num_tokens,
-                                                     handle.prompt_digest))
+    def _pull_one(self, peer: Peer, job: Job) -> tuple[int, np.ndarray | None]:
+        """(KV bytes copied, the prompt's token ids if asked for) of one pull."""
+        handle, deadline = job.handle, time.monotonic() + self.timeout
+        request = msgspec.msgpack.encode(PullRequest(
+            handle.ctx_request_id, handle.lease_token, self.layout, job.skip + len(job.dst),
+            handle.num_tokens, handle.prompt_digest, job.skip, job.with_tokens))
         if len(request) > MAX_REQUEST_BYTES:
             raise PullRefused(f"ctx_request_id is too long ({len(handle.ctx_request_id)} chars)")
         frames = peer.request(request, deadline, self.pool.stop)
         reply = self._read_reply(handle, frames)
-        nbytes = self._receive(handle, reply, frames[1:], dst, deadline)
+        frames, tokens = frames[1:], None
+        if job.with_tokens:
+            tokens = _prompt_tokens(reply, frames, handle.num_tokens)
+            frames = frames[:-1]
+        nbytes = self._receive(handle, reply, frames, job.dst, deadline)
         peer.send(msgspec.msgpack.encode(PullAck(handle.ctx_request_id, handle.lease_token)))
-        return nbytes
+        return nbytes, tokens
 
     def _read_reply(self, handle: KVHandle, frames: list):
         try:
@@ -183,3 +200,13 @@ class ZmqPullTransport(KVTransport):
         for t in self._own_threads:
             t.join(timeout=5)
         self.ctx.destroy(linger=0)
+
+
+def _prompt_tokens(reply, frames: list, num_tokens: int) -> np.ndarray:
+    """The prompt's int32 ids from the reply's last frame, checked for size before a KV byte
+    is copied (their values are checked against the handle's prompt digest by the engine)."""
+    size = 4 * num_tokens
+    if reply.prompt_bytes != size or not frames or len(frames[-1]) != size:
+        raise BadReply(f"the context worker sent {reply.prompt_bytes} bytes of prompt token ids "
+                       f"in a frame of {len(frames[-1]) if frames else 0}, expected {size}")
+    return np.frombuffer(frames[-1].buffer, dtype="<i4").astype(np.int32)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import orjson
 
-from splitserve.engine.prompt_reads import prompt_value_readers
 from splitserve.errors import InvalidRequestError
 from splitserve.orchestrator.cluster import RELAY_MODES
 
@@ -81,19 +80,14 @@ _MAX_DUMPS_DEPTH = 254
 
 def relay_mode(body: dict, default: str) -> str:
     """list | b64 | metadata for this request. `token_relay` in the body overrides the
-    cluster's mode (for testing and measurement). auto: length only when nothing reads
-    prompt token values (engine/prompt_reads.py), else base64 int32. metadata is taken as
-    asked; a generation worker refuses a request it cannot serve from the length alone."""
+    cluster's mode (for testing and measurement). auto: length only, always: whatever reads
+    prompt token values on the generation worker (penalties, echo) gets them with the KV
+    (engine/prompt_reads.py); prompt logprobs run aggregated (needs_aggregated)."""
     mode = body.get("token_relay") or default
     if mode not in RELAY_MODES:
         raise InvalidRequestError(f"token_relay must be one of {', '.join(RELAY_MODES)}",
                                   "token_relay")
-    if mode != "auto":
-        return mode
-    readers = prompt_value_readers(repetition_penalty=body.get("repetition_penalty"),
-                                   prompt_logprobs=body.get("prompt_logprobs"),
-                                   echo=body.get("echo"))
-    return "b64" if readers else "metadata"
+    return "metadata" if mode == "auto" else mode
 
 
 def context_body(body: dict, mode: str) -> dict:

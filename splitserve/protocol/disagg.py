@@ -72,6 +72,15 @@ class DisaggregatedParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                f"{self.kv_handle.num_tokens} tokens", "prompt_len")
 
 
+def relayed_handle(handle: KVHandle, relay: str | None) -> KVHandle:
+    """The KV handle a context worker answers with: the prompt's block hashes only for a
+    length-only relay (a GEN given the tokens computes them itself; so list and b64 bodies do
+    not grow by 16 bytes a block)."""
+    if relay == "metadata" or not handle.block_hashes:
+        return handle
+    return msgspec.structs.replace(handle, block_hashes=b"")
+
+
 def _check_ids(ids: list[int], name: str) -> None:
     _check(0 <= min(ids) and max(ids) <= INT32_MAX,
            f"{name} must be token ids (0 to {INT32_MAX})", name)

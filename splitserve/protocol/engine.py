@@ -28,6 +28,7 @@ class Logprob(msgspec.Struct, array_like=True, gc=False):
 
 
 _MAX_HANDLE_STR = 1024
+HASH_BYTES = 16   # one chained block hash (blake2b-16)
 
 
 class KVHandle(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
@@ -42,9 +43,17 @@ class KVHandle(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     # engine.prompt_digest of the prompt whose KV is held (hex): a GEN given the prompt's
     # tokens checks they are that prompt's before it pulls or caches anything.
     prompt_digest: str = ""
+    # The chained hashes (engine/prompt_digest.chain_hashes, 16 bytes each, concatenated;
+    # base64 in JSON) of the prompt's full blocks: a GEN given only the prompt's length looks
+    # them up in its prefix cache and pulls only the blocks it lacks. Trusted as far as the
+    # peer that sent them (docs/security.md).
+    block_hashes: bytes = b""
 
     def __post_init__(self):
         _check(0 <= self.num_tokens < 2**31, "kv_handle.num_tokens must be between 0 and 2^31-1")
+        _check(len(self.block_hashes) % HASH_BYTES == 0 and
+               len(self.block_hashes) <= HASH_BYTES * self.num_tokens,
+               f"kv_handle.block_hashes must be {HASH_BYTES}-byte hashes, at most one per token")
         _check(bool(self.endpoint) and bool(self.ctx_request_id),
                "kv_handle needs an endpoint and a ctx_request_id")
         _check(max(len(self.endpoint), len(self.ctx_request_id), len(self.layout),
@@ -79,6 +88,9 @@ class CompletionDelta(msgspec.Struct, omit_defaults=True, gc=False):
     error_param: str | None = None                       # set when the engine rejected the input
     kv_handle: KVHandle | None = None                    # context_only: KV left for a GEN to pull
     kv_transfer_time: float = 0.0                        # generation_only: seconds to pull the KV
+    # generation_only with prompt_back: the prompt's int32 token ids (little-endian), which
+    # came with its KV, in the sequence's first delta; never a list.
+    prompt_bytes: bytes = b""
     admit_time: float = 0.0                              # wall clock the engine process received it
     first_token_time: float = 0.0                        # stream=False only: wall clock of token 1
     received: float = 0.0     # front-end only: wall clock its EngineOutputs arrived (not sent)
@@ -116,6 +128,9 @@ class EngineRequest(msgspec.Struct, gc=False):
     # Mid-stream migration: output a response already streamed from another worker; its
     # tokens ride after the prompt's and the request continues after them.
     num_resumed: int = 0
+    # A length-only prompt whose values the front-end needs (echo): the engine pulls them
+    # with the KV and hands them back in the first delta (CompletionDelta.prompt_bytes).
+    prompt_back: bool = False
 
     def __post_init__(self):
         if (self.kind == RequestKind.GENERATION_ONLY) != (self.remote is not None):
@@ -238,6 +253,9 @@ class EngineStats(msgspec.Struct, array_like=True, gc=False):
     steps: int = 0                     # engine steps completed (liveness: sent at least
                                        # every half second, after a step, changed or not)
     kv_error: str = ""                 # the KV transport's health(): what stopped, "" if fine
+    kv_bytes_pulled: int = 0           # generation_only: KV bytes pulled from context workers
+    kv_blocks_pulled: int = 0
+    kv_blocks_reused: int = 0          # prompt blocks found in this worker's prefix cache instead
 
 
 class EngineReady(msgspec.Struct, tag="ready"):

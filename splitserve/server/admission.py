@@ -5,7 +5,6 @@ request), the disaggregated fields, and the EngineRequest of each prompt, built 
 from __future__ import annotations
 
 from splitserve.engine.admission import check_prompt
-from splitserve.engine.prompt_reads import prompt_value_readers
 from splitserve.errors import InvalidRequestError
 from splitserve.protocol.engine import EngineReady, EngineRequest, RemotePrefill, RequestKind
 from splitserve.sampling_params import SamplingParams
@@ -33,8 +32,11 @@ def engine_requests(req, rid: str, prompts: list[PromptTokens], params: Sampling
         raise InvalidRequestError("a context_only request cannot stream", "stream")
     resumed = resumed_output(req, prompts, params)
     n_resumed = 0 if resumed is None else len(resumed)
+    # echo of a length-only prompt: its ids come back from the engine (with its KV)
+    back = prompts[0].is_placeholder and bool(getattr(req, "echo", False))
     return [EngineRequest(rid if len(prompts) == 1 else f"{rid}-{i}", params, len(p),
-                          p.is_placeholder, kind, remote, bool(req.stream), n_resumed)
+                          p.is_placeholder, kind, remote, bool(req.stream), n_resumed,
+                          prompt_back=back)
             for i, p in enumerate(prompts)], resumed
 
 
@@ -54,8 +56,9 @@ def check_prompts(prompts: list[PromptTokens], params: SamplingParams, ready: En
 
 def relayed_prompt(req, params: SamplingParams) -> tuple[list[PromptTokens], RemotePrefill, str]:
     """generation_only: the prompt arrives from the context worker's answer as an int32
-    array (b64), a JSON list (list) or only its length (metadata); nothing is tokenized or
-    rendered again here, and b64 never becomes a Python list."""
+    array (b64), a JSON list (list) or only its length (metadata: whatever reads its values,
+    penalties or echo, gets them with its KV, engine/prompt_reads.py); nothing is tokenized
+    or rendered again here, and b64 never becomes a Python list."""
     dp = req.disaggregated_params
     dp.check_generation_only()
     if dp.prompt_token_ids_b64 is not None:
@@ -63,13 +66,9 @@ def relayed_prompt(req, params: SamplingParams) -> tuple[list[PromptTokens], Rem
     elif dp.prompt_token_ids is not None:
         prompt, mode = PromptTokens.from_list(dp.prompt_token_ids), "list"
     else:
-        readers = prompt_value_readers(repetition_penalty=params.repetition_penalty,
-                                       prompt_logprobs=params.prompt_logprobs,
-                                       echo=getattr(req, "echo", False))
-        if readers:
-            raise InvalidRequestError(
-                f"{', '.join(readers)} read prompt token values, but only prompt_len was "
-                f"relayed; relay the tokens (token_relay list or b64)", readers[0])
+        if params.prompt_logprobs is not None:
+            raise InvalidRequestError("prompt_logprobs needs the prompt prefilled here, but "
+                                      "only prompt_len was relayed", "prompt_logprobs")
         prompt, mode = PromptTokens.placeholder(dp.prompt_len), "metadata"
     if len(prompt) != dp.prompt_len:
         raise InvalidRequestError(f"prompt_len {dp.prompt_len} disagrees with the {len(prompt)} "

@@ -15,7 +15,7 @@ from typing import AsyncIterator
 import numpy as np
 
 from splitserve.httpd import ChunkedStream, Request, Response
-from splitserve.protocol.disagg import DisaggregatedParams
+from splitserve.protocol.disagg import DisaggregatedParams, relayed_handle
 from splitserve.protocol.engine import CompletionDelta, EngineRequest, RequestKind
 from splitserve.protocol.openai import (
     DONE, ChatCompletionRequest, CompletionRequest, EchoPrompt, ResponseAccumulator,
@@ -45,6 +45,9 @@ class GenerateHandlers:
         if request_kind(req) == RequestKind.GENERATION_ONLY:
             prompts, remote, mode = relayed_prompt(req, params)
             self.server.metrics.token_relay.labels(mode).inc()
+            if req.echo and prompts[0].is_placeholder:   # the engine hands the prompt back
+                return await self._respond(request, req, prompts, params, ECHO_BACK, arrival,
+                                           remote)
             texts = [""]
             if req.echo:
                 texts = await self.server.in_pool(lambda: [self.server.tokenizer.decode(
@@ -100,6 +103,9 @@ class GenerateHandlers:
                                             self.server.engine.ready, remote)
         kwargs = dict(token_text=self.server.token_text, echo=echo, request_id=rid)
         deltas = self._merged(requests, prompts, resumed)
+        if echo is ECHO_BACK:
+            deltas, echo = await echo_back(deltas, self.server)
+            kwargs["echo"] = echo
         observe = _Observer(self.server.metrics, arrival, remote is not None)
         if req.stream:
             return await self._stream(request, req, deltas, observe, kwargs)
@@ -118,7 +124,8 @@ class GenerateHandlers:
             extra = {"disaggregated_params": DisaggregatedParams(
                 request_type="context_only", ctx_request_id=handoff.kv_handle.ctx_request_id,
                 first_gen_tokens=handoff.token_ids, first_gen_logprobs=handoff.logprobs,
-                prompt_len=len(prompts[0]), kv_handle=handoff.kv_handle,
+                prompt_len=len(prompts[0]),
+                kv_handle=relayed_handle(handoff.kv_handle, req.disaggregated_params.token_relay),
                 token_relay=req.disaggregated_params.token_relay,
                 **relay_fields(req.disaggregated_params.token_relay, prompts[0]))}
         return Response(acc.body(extra))
@@ -223,6 +230,32 @@ class _Observer:
         if self.generation_only:
             m.gen_preprocessing.observe(admitted)
             m.kv_transfer.observe(delta.kv_transfer_time)
+
+
+ECHO_BACK = ("echo the prompt the engine hands back",)
+
+
+async def echo_back(deltas, server) -> tuple[AsyncIterator, list[EchoPrompt]]:
+    """echo of a length-only prompt: its ids come with the first delta, as raw int32 bytes
+    (the engine pulled them with the KV); their text is decoded in the tokenizer pool before
+    anything is sent. Returns the deltas (the first one again) and the echo."""
+    try:
+        first = await anext(deltas)
+    except BaseException:
+        await deltas.aclose()
+        raise
+    echo = []
+    if first[1].prompt_bytes:
+        ids = np.frombuffer(first[1].prompt_bytes, dtype="<i4")
+        text = await server.in_pool(lambda: server.tokenizer.decode(ids, skip_special_tokens=False))
+        echo = [EchoPrompt(text, int(ids[0]))]
+
+    async def again():
+        async with aclosing(deltas):
+            yield first
+            async for item in deltas:
+                yield item
+    return again(), echo
 
 
 def _arrival(request: Request) -> float:

@@ -61,6 +61,13 @@ class ServerMetrics:
                                   "Prompt tokens looked up in the prefix cache")
         self.prefix_hits = add(Counter, "prefix_cache_hits_total",
                                "Prompt tokens found in the prefix cache")
+        # generation_only pulls, by EngineStats field: what moved, and what the cache had
+        self.kv_pulls = {field: add(Counter, name, f"generation_only: {what}")
+                         for field, name, what in (
+            ("kv_bytes_pulled", "kv_pulled_bytes_total", "KV bytes pulled from context workers"),
+            ("kv_blocks_pulled", "kv_pulled_blocks_total", "KV blocks pulled from context workers"),
+            ("kv_blocks_reused", "kv_reused_blocks_total",
+             "prompt KV blocks found in the prefix cache instead of pulled"))}
         # The Prometheus client's standard name, unprefixed: this front-end process only
         # (all its threads), not the engine-core process.
         self.process_cpu = r.register(Counter("process_cpu_seconds_total",
@@ -93,6 +100,8 @@ class ServerMetrics:
         self.kv_leased.set(stats.kv_blocks_leased)
         self.prefix_queries.set_total(stats.prefix_cache_queries)
         self.prefix_hits.set_total(stats.prefix_cache_hits)
+        for field, counter in self.kv_pulls.items():
+            counter.set_total(getattr(stats, field, 0))   # 0: stats from before the field
 
     def update_process(self) -> None:
         """Called when /metrics is scraped."""
