@@ -218,9 +218,16 @@ def test_metrics_of_frontends_add_up():
     for m, seconds in ((a, 0.002), (b, 0.004), (b, 0.5)):
         m.request_done("/v1/completions", 200)
         m.gen_preprocessing.observe(seconds)
-    a.running.set(3)    # engine-wide: every front-end has the same; not summed
-    b.running.set(3)
+    from splitserve.protocol.engine import EngineStats
+    stats = EngineStats(3, 0, 10, 100, 64, 32, kv_bytes_pulled=1000, kv_blocks_pulled=4,
+                        kv_blocks_reused=60)
+    a.update_engine(stats)    # engine-wide: every front-end has the same; not summed
+    b.update_engine(stats)
     text = a.render({2: b.frontend_state()}, me=1).decode()
+    for line in ("splitserve_kv_pulled_bytes_total 1000", "splitserve_kv_pulled_blocks_total 4",
+                 "splitserve_kv_reused_blocks_total 60", "splitserve_prefix_cache_hits_total 32",
+                 "splitserve_kv_blocks_used 10"):
+        assert line in text
     assert 'splitserve_requests_total{endpoint="/v1/completions",status="200"} 4' in text
     assert "splitserve_gen_preprocessing_seconds_count 3" in text
     assert 'splitserve_frontend_requests_total{frontend="1"} 2' in text

@@ -76,7 +76,8 @@ class ServerMetrics:
         # Copies of the engine's stats: the same in every front-end, so never summed.
         self.engine_wide = {m.name for m in (
             self.engine_restarts, self.running, self.waiting, self.kv_used, self.kv_total,
-            self.kv_usage, self.kv_leased, self.prefix_queries, self.prefix_hits)}
+            self.kv_usage, self.kv_leased, self.prefix_queries, self.prefix_hits,
+            *self.kv_pulls.values())}
 
     def frontend_state(self) -> dict:
         """What this front-end counted itself (protocol.frontends.MetricsState)."""
