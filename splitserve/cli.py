@@ -113,7 +113,7 @@ def server_config(args, threads: int | None = None):
                         served_model_name=args.served_model_name,
                         max_body_bytes=args.max_body_bytes,
                         max_waiting_requests=args.max_waiting_requests,
-                        engine_stall_seconds=args.engine_stall_seconds,
+                        engine_stall_seconds=args.engine_stall_seconds, register=args.register,
                         http=HTTPLimits(head_timeout=args.request_head_timeout,
                                         body_timeout=args.request_body_timeout,
                                         max_connections=args.max_connections),
@@ -147,11 +147,17 @@ def _orchestrator(args) -> int:
     import asyncio
     from dataclasses import replace
     from splitserve import envs
+    from splitserve.orchestrator import fleet
     from splitserve.orchestrator.app import NO_SECRET, run_orchestrator
     from splitserve.orchestrator.cluster import ClusterConfig
+    if args.fleet_child:
+        return fleet.run_child(args.fleet_child)
+    if not args.config:
+        build_parser().error("orchestrator: -c/--config is required")
     config = ClusterConfig.from_yaml(args.config)
     overrides = {k: v for k, v in (("host", args.host), ("port", args.port),
-                                   ("max_in_flight", args.max_in_flight)) if v is not None}
+                                   ("max_in_flight", args.max_in_flight),
+                                   ("processes", args.processes)) if v is not None}
     # The command line, then the YAML, then the environment.
     overrides["api_key"] = args.api_key or config.api_key or envs.api_key()
     overrides["internal_secret"] = (args.internal_secret or config.internal_secret
@@ -159,7 +165,11 @@ def _orchestrator(args) -> int:
     if not overrides["internal_secret"]:
         logging.getLogger("splitserve.orchestrator").error("orch: %s", NO_SECRET)
         return 2
-    asyncio.run(run_orchestrator(replace(config, **overrides)))
+    config = replace(config, **overrides)
+    if config.processes > 1:
+        asyncio.run(fleet.run_fleet(config, args.log_level))
+    else:
+        asyncio.run(run_orchestrator(config))
     return 0
 
 
@@ -205,11 +215,19 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds a request line and headers may take (then 408)")
     serve.add_argument("--request-body-timeout", type=float, default=HTTPLimits.body_timeout,
                        help="seconds a request body may take once its head is in (then 408)")
+    serve.add_argument("--register", default=None, metavar="ORCH_URL",
+                       help="join this orchestrator's pools while serving, and leave on a "
+                            "clean stop (heartbeats with the internal secret; "
+                            "server/registration.py)")
     _add_secret_arguments(serve, "this worker")
     serve.set_defaults(func=_serve)
 
     orch = sub.add_parser("orchestrator", help="the cluster's front door, from a cluster YAML")
-    orch.add_argument("-c", "--config", required=True)
+    orch.add_argument("-c", "--config", default=None, help="the cluster YAML (required)")
+    orch.add_argument("--processes", type=int, default=None,
+                      help="orchestrator processes serving the port together (SO_REUSEPORT; "
+                           "overrides the YAML's `processes`, default 1)")
+    orch.add_argument("--fleet-child", default=None, help=argparse.SUPPRESS)
     orch.add_argument("--host", default=None)
     orch.add_argument("--port", type=int, default=None)
     orch.add_argument("--max-in-flight", type=int, default=None,
@@ -224,6 +242,8 @@ def build_parser() -> argparse.ArgumentParser:
     upp.add_argument("--port", type=int, default=8000, help="orchestrator; workers take the next ports")
     upp.add_argument("--num-ctx", type=int, default=1)
     upp.add_argument("--num-gen", type=int, default=1)
+    upp.add_argument("--orchestrators", type=int, default=1,
+                     help="orchestrator processes serving --port together (SO_REUSEPORT)")
     upp.add_argument("--threads", type=int, default=None, help="torch threads per worker")
     upp.add_argument("--kv-backend", default="tcp", choices=["tcp", "nixl"])
     upp.add_argument("--kv-cache-gib", type=float, default=1.0)

@@ -51,10 +51,12 @@ class HTTPServer:
         self._server: asyncio.AbstractServer | None = None
         self._sweeper: asyncio.Task | None = None
 
-    async def start(self, host: str, port: int, backlog: int) -> None:
+    async def start(self, host: str, port: int, backlog: int, reuse_port: bool = False) -> None:
+        """reuse_port: share the port with other processes that set it (SO_REUSEPORT)."""
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(lambda: HTTPConnection(self), host, port,
-                                                backlog=backlog, reuse_address=True)
+                                                backlog=backlog, reuse_address=True,
+                                                reuse_port=reuse_port or None)
         self._sweeper = asyncio.create_task(self._sweep())
 
     def error_response(self, message: str, status: int, **headers: str) -> Response:

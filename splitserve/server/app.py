@@ -20,6 +20,7 @@ from splitserve.server.config import ServerConfig
 from splitserve.server.engine_client import EngineClient, EngineDeadError
 from splitserve.server.generate import GenerateHandlers
 from splitserve.server.metrics import ServerMetrics
+from splitserve.server.registration import Registration
 from splitserve.signals import wait_for_stop_signal
 from splitserve.trust import Gate, NotInternal, Refusal, forbidden
 
@@ -61,7 +62,7 @@ class WorkerServer:
             lambda i: self.tokenizer.decode([i], skip_special_tokens=False))
         self.created = int(time.time())
         self.gate = Gate(config.api_key, config.internal_secret)
-        gen = GenerateHandlers(self)
+        self.handlers = gen = GenerateHandlers(self)
         self.routes = {                    # path -> (method, handler)
             "/v1/completions": ("POST", gen.completions),
             "/v1/chat/completions": ("POST", gen.chat),
@@ -146,7 +147,8 @@ class WorkerServer:
         if problem is None:
             # `bench frontend --url` refuses a worker whose KV backend is not `none`
             return json_response({"status": "ok", "role": self.config.role,
-                                  "kv_backend": self.config.engine.kv.backend})
+                                  "kv_backend": self.config.engine.kv.backend,
+                                  "load": self.handlers.load()})
         return _error(503, problem, "server_error")
 
     async def prometheus(self, request: Request) -> Response:
@@ -186,8 +188,10 @@ class WorkerServer:
         await self.http.start(self.config.host, self.config.port, LISTEN_BACKLOG)
         logger.info("%s: serving %s (%s) on http://%s:%d", self.config.log_prefix, ready.model_name,
                     ready.dtype, self.config.host, self.http.port)
+        self.registration = Registration.start(self.config, self.http.port)
 
     async def stop(self) -> None:
+        await Registration.leave(getattr(self, "registration", None))
         await self.http.close()
         self.gc.stop()
         await self.engine.shutdown()

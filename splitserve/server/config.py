@@ -30,6 +30,7 @@ class ServerConfig:
     api_key: str | None = field(default=None, repr=False)
     internal_secret: str | None = field(default=None, repr=False)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    register: str | None = None    # an orchestrator's url to register with (registration.py)
 
     def __post_init__(self):
         if self.role not in ROLES:
