@@ -33,7 +33,7 @@ def test_report_on_the_tiny_model(tmp_path):
                  "--frontend-args", "--isl 64 --concurrency 2 --requests 8 --duration 5"]) == 0
     page = out.read_text()
 
-    titles = [title for title, _ in report.SECTIONS] + ["5. How to regenerate"]
+    titles = [title for title, _ in report.SECTIONS] + [report.HOWTO]
     assert re.findall(r"^## (.+)$", page, re.M) == titles
     assert "FAILED" not in page and "failed:" not in page and "missing" not in page
     assert re.search(r"\*\*Summary\.\*\* .*prefills .* tok/s", page)
@@ -50,6 +50,8 @@ def test_report_on_the_tiny_model(tmp_path):
     assert re.search(r"^\| GEN \| `kv_transfer` \| [1-9]", page, re.M)
     assert re.search(r"^\| orchestrator \| `orchestrator_relay` \| [1-9]", page, re.M)
     assert re.search(r"^\| server CPU/request .* \| (\*\*PASS\*\*|FAIL) \|$", page, re.M)
+    for name in ("fleet-o1", "fleet-o2"):         # the fleet: 1 and 2 orchestrator processes
+        assert (tmp_path / "results" / f"{name}.json").exists()
     assert "TTFT   time to first token" in page          # the metric definitions
 
     images = re.findall(r"!\[[^\]]*\]\(([^)]+\.png)\)", page)

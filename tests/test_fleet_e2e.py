@@ -225,3 +225,45 @@ def test_workers_join_and_leave_a_fleet_without_failed_requests(tmp_path, worker
         fleet.close()
     assert client.failures == [], client.failures
     assert client.count >= 20
+
+
+def processes_answering(url: str) -> set[int]:
+    try:
+        return set(by_process(url, 20))
+    except OSError:                       # not listening yet
+        return set()
+
+
+def test_a_fleet_whose_parent_dies_leaves_nothing(tmp_path):
+    """SIGKILL of the parent: each child reads EOF on its stdin and stops."""
+    port = free_port()
+    path = tmp_path / "fleet.yaml"
+    path.write_text(yaml.safe_dump({"port": port, "internal_secret": TEST_SECRET,
+                                    "context_servers": [], "generation_servers": []}))
+    fleet = ServerProcess(["orchestrator", "-c", str(path), "--processes", "2"], port)
+    try:
+        wait_for(lambda: len(processes_answering(fleet.url)) == 2, 60, "both children serve")
+        children = set(by_process(fleet.url, 1)) | Fleet.children(fleet)
+        fleet.proc.send_signal(signal.SIGKILL)
+        fleet.proc.wait()
+        wait_for(lambda: not any(alive(p) for p in children), 30, "every child gone")
+    finally:
+        fleet.close()
+
+
+def test_up_with_two_orchestrators_serves_through_registered_workers(tmp_path):
+    from server_utils import UpCluster, descendants
+    up = UpCluster(*MODEL, "--orchestrators", "2", log=tmp_path / "up.log", log_level="INFO")
+    try:
+        def both_route_to_both() -> bool:   # each process has synced the registry
+            seen = by_process(up.url, 20)
+            return len(seen) == 2 and all(len(h["healthy"]["ctx"]) == len(h["healthy"]["gen"])
+                                          == 1 for h, _ in seen.values())
+        wait_for(both_route_to_both, 30, "every orchestrator routes to both workers")
+        for _ in range(6):
+            assert post(up.url + "/v1/completions", BODY, headers={})[0] == 200
+        assert len(members(up.url)) == 2
+        assert len(descendants(up.proc.pid)) >= 2 + 2 * 2   # orchestrators, workers, engines
+        up.interrupt()
+    finally:
+        up.close()

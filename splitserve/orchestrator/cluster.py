@@ -61,6 +61,8 @@ class ClusterConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
         if not 1 <= self.processes <= 64:
             raise ValueError(f"processes must be 1 to 64, got {self.processes!r}")
+        if self.processes > 1 and not self.port:
+            raise ValueError("several orchestrator processes share a port: give one (not 0)")
         if self.load_poll_interval < 0:
             raise ValueError(f"load_poll_interval must be 0 or more, got "
                              f"{self.load_poll_interval!r}")

@@ -7,7 +7,7 @@ counts, --duration, a subprocess timeout); a step that fails is written into the
 failure with its error, and the report goes on. Servers run in their own process group and
 are stopped with SIGINT (SIGKILL of the group if they hang) in a `finally`: nothing is left
 running (steps.py). Each section is a module of its own: engine.py, worker.py, disagg.py,
-frontend.py.
+frontend.py, fleet.py.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import time
 from splitserve.bench.report.config import ReportConfig
 from splitserve.bench.report.disagg import DISAGG, disagg
 from splitserve.bench.report.engine import ENGINE, engine
+from splitserve.bench.report.fleet import FLEET, fleet
 from splitserve.bench.report.frontend import FRONTEND, frontend
 from splitserve.bench.report.machine import (LoadProbe, git_commit, machine, machine_line,
                                               speed_probe)
@@ -27,7 +28,9 @@ from splitserve.bench.report.markdown import Section, failed, shown
 from splitserve.bench.report.steps import StepFailed, run_inprocess, tool
 from splitserve.bench.report.worker import WORKER, worker
 
-SECTIONS = ((ENGINE, engine), (WORKER, worker), (DISAGG, disagg), (FRONTEND, frontend))
+SECTIONS = ((ENGINE, engine), (WORKER, worker), (DISAGG, disagg), (FRONTEND, frontend),
+            (FLEET, fleet))
+HOWTO = f"{len(SECTIONS) + 1}. How to regenerate"
 
 
 SPEED_NOTE = ("a fixed float32 matmul, the same work on every run: compare it across runs "
@@ -52,7 +55,7 @@ def howto(cfg: ReportConfig, elapsed: float) -> Section:
         explain = run_inprocess(tool("bench", "serve", "--explain")).strip()
     except StepFailed as exc:
         explain = f"(`splitserve bench serve --explain` failed: {exc})"
-    return Section("5. How to regenerate", "\n\n".join([
+    return Section(HOWTO, "\n\n".join([
         "```bash\nbash scripts/benchmarks.sh            # runs: splitserve bench report\n"
         "bash scripts/benchmarks.sh --quick    # ~2 min smoke test, written under "
         "bench-results/quick/\n```",
