@@ -51,6 +51,8 @@ class Orchestrator:
         self.registry = Registry(config.remove_unhealthy_after) if control_url is None else None
         self.membership = (LocalMembership(self.registry) if control_url is None
                            else RemoteMembership(control_url, self.pools))
+        if self.registry is not None:     # leases lapsing, health removals: at once
+            self.registry.listeners.append(lambda: self.pools.sync(self.registry.listing()))
         self._registry_task: asyncio.Task | None = None
         self.routes = {                    # path -> (method, handler)
             "/v1/completions": ("POST", self.generate),

@@ -6,8 +6,9 @@ The parent serves no client. It:
    the cluster's internal secret opens;
 2. starts N children (`splitserve orchestrator --fleet-child CONTROL_URL`). Each binds the
    port with SO_REUSEPORT, so the kernel spreads new connections across them. The cluster
-   config, secrets included, reaches a child on its stdin (never its command line or
-   environment), and the pipe stays open: a child whose parent died reads EOF and stops;
+   config, secrets included, reaches a child as the first line on its stdin (never its
+   command line or environment), and the pipe stays open: each later newline means "the
+   members changed, read them again", and a child whose parent died reads EOF and stops;
 3. restarts a child that exits (supervisor.py: 1 s, doubling to 30 s for crash loops)
    while the others keep the port served;
 4. on Ctrl-C / SIGTERM stops the children (SIGTERM, SIGKILL after 30 s) and waits for them.
@@ -15,7 +16,8 @@ The parent serves no client. It:
 Each child routes on its own, with the workers' reported load (cluster.Server.load), so its
 least-loaded choice counts the other children's requests as of the last load poll. A
 registration sent to any child is forwarded to the parent; the child that took it updates
-its pools at once, the others before their next round of health checks.
+its pools from the answer, the others when the parent's newline arrives (and, should one
+be lost, before their next round of health checks).
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ import dataclasses
 import logging
 import os
 import sys
-import threading
 
 import aiohttp
 import orjson
@@ -104,6 +105,7 @@ async def run_fleet(config: ClusterConfig, log_level: str, banner: str = "",
                             dict(os.environ), stdin=child_payload(config), what="process")
                 for i in range(config.processes)]
     supervisor = Supervisor(children, "orch")
+    registry.listeners.append(lambda: [c.notify() for c in children])
     session = aiohttp.ClientSession(headers={INTERNAL_HEADER: config.internal_secret})
     tasks = [asyncio.create_task(c) for c in (
         supervisor.watch(lambda url: None),
@@ -120,18 +122,28 @@ async def run_fleet(config: ClusterConfig, log_level: str, banner: str = "",
 
 
 def run_child(control_url: str) -> int:
-    """A fleet's child: its config from stdin, then serve until a signal or the parent's
-    end (stdin's EOF)."""
-    line = sys.stdin.buffer.readline()
+    """A fleet's child: serve with the config on stdin's first line until a signal or the
+    parent's end (stdin's EOF)."""
+    return asyncio.run(_child(control_url))
+
+
+async def _child(control_url: str) -> int:
+    # stdin read on the event loop, not a thread: nothing holds it at interpreter exit
+    parent = asyncio.StreamReader(limit=1 << 20)
+    await asyncio.get_running_loop().connect_read_pipe(
+        lambda: asyncio.StreamReaderProtocol(parent), sys.stdin)
+    line = await parent.readline()
     if not line:
         return 2
     config = ClusterConfig.from_dict(orjson.loads(line), where="the fleet's config")
-    orphaned = threading.Event()
+    orphaned = asyncio.Event()
 
-    def watch_parent() -> None:
-        sys.stdin.buffer.read()
+    async def follow(orch) -> None:
+        """Each newline: the members changed. EOF: the parent is gone."""
+        while await parent.readline():
+            await orch.pools.probes.sync()
+        logger.warning("orch: the fleet's parent is gone; stopping")
         orphaned.set()
-    threading.Thread(target=watch_parent, daemon=True, name="parent-watch").start()
-    asyncio.run(run_orchestrator(config, should_stop=orphaned.is_set, control_url=control_url))
+    await run_orchestrator(config, should_stop=orphaned.is_set, companion=follow,
+                           control_url=control_url)
     return 0
-

@@ -15,10 +15,10 @@ The YAML's urls are not members: they stay in the pools whatever happens.
 
 Where the registry lives: in a single orchestrator process, in that process
 (LocalMembership). In a fleet (orchestrator/fleet.py), in the parent, on a loopback
-control port: each child forwards the registration API to it and reads the member list
-from it before every round of health checks (RemoteMembership), so a registration that
-reaches any child reaches all of them within a health interval, and the child that took it
-at once.
+control port: each child forwards the registration API to it (RemoteMembership) and reads
+the member list from it whenever the parent says it changed (a newline on the child's
+stdin: fleet.py) and before every round of health checks, so a worker that joins or leaves
+through any child joins or leaves all of them within milliseconds.
 """
 
 from __future__ import annotations
@@ -94,6 +94,11 @@ class Registry:
     def __init__(self, remove_unhealthy_after: float, max_members: int = MAX_MEMBERS):
         self.remove_after, self.max_members = remove_unhealthy_after, max_members
         self.members: dict[str, Member] = {}
+        self.listeners: list = []     # called (no arguments) when a member joins or leaves
+
+    def _changed(self) -> None:
+        for listener in self.listeners:
+            listener()
 
     def register(self, body: bytes) -> None:
         reg = _decode(Registration, body)
@@ -110,18 +115,21 @@ class Registry:
                                       f"registered workers", "url")
         if member is None or member.role != reg.role:
             logger.info("orch: %s worker %s registered (ttl %g s)", reg.role, url, reg.ttl)
-            member = self.members[url] = Member(reg.role, url, reg.ttl, 0.0)
+            member = self.members[url] = Member(reg.role, url, reg.ttl, time.monotonic() + reg.ttl)
+            self._changed()
         member.ttl, member.expires = reg.ttl, time.monotonic() + reg.ttl
 
     def remove(self, body: bytes) -> None:
         url = _check_url(_decode(Removal, body).url)
         if self.members.pop(url, None) is not None:
             logger.info("orch: worker %s left", url)
+            self._changed()
 
     def forget(self, url: str) -> None:
         """A worker is known to be gone (`splitserve up` saw its process exit)."""
         if self.members.pop(url, None) is not None:
             logger.info("orch: worker %s exited; it leaves until it registers again", url)
+            self._changed()
 
     def listing(self) -> list[dict]:
         now = time.monotonic()
@@ -145,6 +153,7 @@ class Registry:
 
     # -- leases and health -------------------------------------------------------------
     def expire(self, now: float) -> None:
+        before = len(self.members)
         for url, m in list(self.members.items()):
             if m.expires <= now:
                 logger.warning("orch: %s worker %s sent no heartbeat for %g s; it leaves",
@@ -154,6 +163,8 @@ class Registry:
                 logger.warning("orch: %s worker %s failed its health checks for %g s; it "
                                "leaves", m.role, url, now - m.unhealthy_since)
                 del self.members[url]
+        if len(self.members) != before:
+            self._changed()
 
     async def run(self, session: aiohttp.ClientSession, interval: float) -> None:
         """Check the members' health and expire them, every `interval` seconds."""

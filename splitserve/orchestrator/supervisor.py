@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import subprocess
 import time
@@ -23,8 +24,8 @@ POLL_INTERVAL = 0.25
 
 class WorkerChild:
     """One child: its command, its current process, its restart schedule. stdin: bytes
-    written to each process's stdin, which stays open (the child sees EOF when this
-    process is gone)."""
+    written to each process's stdin, which then stays open, non-blocking (the child sees
+    EOF when this process is gone; notify() writes to it)."""
 
     def __init__(self, role: str, url: str, cmd: list[str], env: dict,
                  stdin: bytes | None = None, what: str = "worker"):
@@ -44,7 +45,16 @@ class WorkerChild:
             self.proc = subprocess.Popen(self.cmd, env=self.env, stdin=subprocess.PIPE)
             self.proc.stdin.write(self.stdin)
             self.proc.stdin.flush()
+            os.set_blocking(self.proc.stdin.fileno(), False)
         self.started = time.monotonic()
+
+    def notify(self) -> None:
+        """One newline on the child's stdin; dropped if its pipe is full (it is not reading)
+        or it is gone."""
+        try:
+            os.write(self.proc.stdin.fileno(), b"\n")
+        except OSError:       # BlockingIOError, BrokenPipeError
+            pass
 
     def __str__(self) -> str:
         return f"{self.role} {self.what} {self.url}"

@@ -6,7 +6,6 @@ large share of the whole."""
 from __future__ import annotations
 
 import os
-import time
 
 from splitserve.bench.report.config import ReportConfig
 from splitserve.bench.report.machine import BACKGROUND, LoadProbe
@@ -26,7 +25,8 @@ def up_cmd(port: int, orchestrators: int, workers: int) -> list[str]:
 
 ORCH_CPU = ("Orchestrator CPU: user + system time of the orchestrator processes (`up` itself "
             "when it runs the one orchestrator; its `--fleet-child` processes otherwise, plus "
-            "`up`, which supervises) over the load step, from /proc, warm-up included. The "
+            "`up`, which supervises) over the load step, from /proc, warm-up included, per "
+            "second of the measured window. The "
             "machine has 2 cores, which the workers, their engines, the orchestrators and the "
             "load generator share: a second orchestrator process adds capacity only where a "
             "core is left over.")
@@ -54,7 +54,8 @@ def orchestrator_cpu_s(up_pid: int) -> float:
 
 
 def fleet(cfg: ReportConfig) -> Section:
-    c, n, duration, workers = (16, 200, 10, 1) if cfg.quick else (64, 3000, 45, 2)
+    # bounded by --duration in the full run (n is out of reach), by n in the quick one
+    c, n, duration, workers = (16, 200, 10, 1) if cfg.quick else (64, 100000, 30, 2)
     n_in, n_out = 16, 4
     rows, cmds, rates = [], [], {}
     for k in ORCHESTRATORS:
@@ -68,11 +69,12 @@ def fleet(cfg: ReportConfig) -> Section:
         try:
             with Service(cmds[-2], url, cfg.result(f"logs/{label}-server.log"),
                          cfg.start_timeout) as svc:
-                probe, cpu0, t0 = LoadProbe(svc), orchestrator_cpu_s(svc.proc.pid), time.monotonic()
+                probe, cpu0 = LoadProbe(svc), orchestrator_cpu_s(svc.proc.pid)
                 run_step(cmds[-1], duration + 300, cfg.result(f"logs/{label}.log"))
                 cpu = orchestrator_cpu_s(svc.proc.pid) - cpu0
-                busy, background = cpu / (time.monotonic() - t0), probe.cores()
+                background = probe.cores()
             m = load_json(path)["metrics"]
+            busy = cpu / m["duration_s"]      # the orchestrators idle outside the window
         except STEP_ERRORS as exc:
             rows.append([k, failed_cell(exc)] + [""] * 7)
             continue
