@@ -216,9 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--request-body-timeout", type=float, default=HTTPLimits.body_timeout,
                        help="seconds a request body may take once its head is in (then 408)")
     serve.add_argument("--register", default=None, metavar="ORCH_URL",
-                       help="join this orchestrator's pools while serving, and leave on a "
-                            "clean stop (heartbeats with the internal secret; "
-                            "server/registration.py)")
+                       help="join this orchestrator's pools while serving; leave on a clean stop")
     _add_secret_arguments(serve, "this worker")
     serve.set_defaults(func=_serve)
 

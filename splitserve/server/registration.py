@@ -38,7 +38,8 @@ def own_url(host: str, port: int) -> str:
 class Registration:
     def __init__(self, orchestrator: str, role: str, url: str, secret: str | None,
                  log_prefix: str):
-        self.orchestrator, self.secret, self.log_prefix = orchestrator.rstrip("/"), secret, log_prefix
+        self.orchestrator, self.secret = orchestrator.rstrip("/"), secret
+        self.log_prefix = log_prefix
         self.entry = {"role": ROLE[role], "url": url, "ttl": TTL}
         self.task = asyncio.create_task(self._heartbeat())
 
