@@ -263,7 +263,12 @@ def test_up_with_two_orchestrators_serves_through_registered_workers(tmp_path):
         for _ in range(6):
             assert post(up.url + "/v1/completions", BODY, headers={})[0] == 200
         assert len(members(up.url)) == 2
-        assert len(descendants(up.proc.pid)) >= 2 + 2 * 2   # orchestrators, workers, engines
+        family = descendants(up.proc.pid)
+        assert len(family) >= 2 + 2 * 2   # orchestrators, workers, engines
         up.interrupt()
     finally:
+        family = descendants(up.proc.pid) if up.proc.poll() is None else set()
         up.close()
+        for pid in family:                 # a failed test leaves no worker behind
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
