@@ -114,7 +114,7 @@ def server_config(args, threads: int | None = None):
                         max_body_bytes=args.max_body_bytes,
                         max_waiting_requests=args.max_waiting_requests,
                         engine_stall_seconds=args.engine_stall_seconds,
-                        api_server_count=args.api_server_count,
+                        api_server_count=args.api_server_count, register=args.register,
                         http=HTTPLimits(head_timeout=args.request_head_timeout,
                                         body_timeout=args.request_body_timeout,
                                         max_connections=args.max_connections),
@@ -149,11 +149,17 @@ def _orchestrator(args) -> int:
     import asyncio
     from dataclasses import replace
     from splitserve import envs
+    from splitserve.orchestrator import fleet
     from splitserve.orchestrator.app import NO_SECRET, run_orchestrator
     from splitserve.orchestrator.cluster import ClusterConfig
+    if args.fleet_child:
+        return fleet.run_child(args.fleet_child)
+    if not args.config:
+        build_parser().error("orchestrator: -c/--config is required")
     config = ClusterConfig.from_yaml(args.config)
     overrides = {k: v for k, v in (("host", args.host), ("port", args.port),
-                                   ("max_in_flight", args.max_in_flight)) if v is not None}
+                                   ("max_in_flight", args.max_in_flight),
+                                   ("processes", args.processes)) if v is not None}
     # The command line, then the YAML, then the environment.
     overrides["api_key"] = args.api_key or config.api_key or envs.api_key()
     overrides["internal_secret"] = (args.internal_secret or config.internal_secret
@@ -161,7 +167,11 @@ def _orchestrator(args) -> int:
     if not overrides["internal_secret"]:
         logging.getLogger("splitserve.orchestrator").error("orch: %s", NO_SECRET)
         return 2
-    asyncio.run(run_orchestrator(replace(config, **overrides)))
+    config = replace(config, **overrides)
+    if config.processes > 1:
+        asyncio.run(fleet.run_fleet(config, args.log_level))
+    else:
+        asyncio.run(run_orchestrator(config))
     return 0
 
 
@@ -209,11 +219,17 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds a request line and headers may take (then 408)")
     serve.add_argument("--request-body-timeout", type=float, default=HTTPLimits.body_timeout,
                        help="seconds a request body may take once its head is in (then 408)")
+    serve.add_argument("--register", default=None, metavar="ORCH_URL",
+                       help="join this orchestrator's pools while serving; leave on a clean stop")
     _add_secret_arguments(serve, "this worker")
     serve.set_defaults(func=_serve)
 
     orch = sub.add_parser("orchestrator", help="the cluster's front door, from a cluster YAML")
-    orch.add_argument("-c", "--config", required=True)
+    orch.add_argument("-c", "--config", default=None, help="the cluster YAML (required)")
+    orch.add_argument("--processes", type=int, default=None,
+                      help="orchestrator processes serving the port together (SO_REUSEPORT; "
+                           "overrides the YAML's `processes`, default 1)")
+    orch.add_argument("--fleet-child", default=None, help=argparse.SUPPRESS)
     orch.add_argument("--host", default=None)
     orch.add_argument("--port", type=int, default=None)
     orch.add_argument("--max-in-flight", type=int, default=None,
@@ -221,37 +237,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_secret_arguments(orch, "the cluster")
     orch.set_defaults(func=_orchestrator)
 
+    from splitserve.orchestrator.up_args import add_arguments as add_up_arguments
     upp = sub.add_parser("up", help="a local cluster: orchestrator + CTX + GEN workers")
-    upp.add_argument("--model", default=None)
-    upp.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    upp.add_argument("--host", default="127.0.0.1")
-    upp.add_argument("--port", type=int, default=8000, help="orchestrator; workers take the next ports")
-    upp.add_argument("--num-ctx", type=int, default=1)
-    upp.add_argument("--num-gen", type=int, default=1)
-    upp.add_argument("--gen-api-servers", type=int, default=1,
-                     help="front-end processes per GEN worker (serve --api-server-count)")
-    upp.add_argument("--threads", type=int, default=None, help="torch threads per worker")
-    upp.add_argument("--kv-backend", default="tcp", choices=["tcp", "nixl"])
-    upp.add_argument("--kv-cache-gib", type=float, default=1.0)
-    upp.add_argument("--ctx-router", default="prefix_aware")
-    upp.add_argument("--gen-router", default="least_loaded")
-    upp.add_argument("--local-prefill-max-tokens", type=int, default=0,
-                     help="prompts of at most this many tokens (or all but this many cached "
-                          "on a generation worker) are prefilled there, skipping the context "
-                          "worker and the KV transfer (default 0: off)")
-    upp.add_argument("--start-timeout", type=float, default=600.0)
-    upp.add_argument("--max-in-flight", type=int, default=None,
-                     help="requests served at once; past it, 503 with Retry-After at once "
-                          "(default 4096)")
-    upp.add_argument("--first-byte-timeout", type=float, default=None,
-                     help="seconds a worker may take to a CTX answer or a GEN stream's first "
-                          "event (default 600)")
-    upp.add_argument("--idle-timeout", type=float, default=None,
-                     help="seconds a GEN stream may go without sending anything (default 120)")
-    upp.add_argument("--api-key", default=None,
-                     help="clients must send `Authorization: Bearer <key>` to the orchestrator "
-                          "and the workers (default: $SPLITSERVE_API_KEY; none: open). The "
-                          "internal secret is $SPLITSERVE_INTERNAL_SECRET, else generated")
+    add_up_arguments(upp)
     upp.set_defaults(func=_up)
 
     bench = sub.add_parser("bench", help="benchmarks")

@@ -51,6 +51,8 @@ def test_report_on_the_tiny_model(tmp_path):
     assert re.search(r"^\| GEN \| `kv_transfer` \| [1-9]", page, re.M)
     assert re.search(r"^\| orchestrator \| `orchestrator_relay` \| [1-9]", page, re.M)
     assert re.search(r"^\| server CPU/request .* \| (\*\*PASS\*\*|FAIL) \|$", page, re.M)
+    for name in ("fleet-o1", "fleet-o2"):         # the fleet: 1 and 2 orchestrator processes
+        assert (tmp_path / "results" / f"{name}.json").exists()
     assert "TTFT   time to first token" in page          # the metric definitions
     for relay in ("metadata", "b64"):                     # prefix reuse: a hit pulls 4 of 68 blocks
         assert re.search(rf"^\| {relay} \| miss \| 1 \| 68\.0 \| 0\.0 \| {NUMBER} \|", page, re.M)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 
 import orjson
@@ -21,6 +22,8 @@ from splitserve.orchestrator.cluster import ClusterConfig
 from splitserve.orchestrator.decide import Decider
 from splitserve.orchestrator.metrics import OrchestratorMetrics
 from splitserve.orchestrator.pools import Pools
+from splitserve.orchestrator.registry import (NOT_INTERNAL, LocalMembership, Registry,
+                                              RemoteMembership)
 from splitserve.protocol.openai import error_body
 from splitserve.signals import wait_for_stop_signal
 from splitserve.trust import Gate
@@ -34,15 +37,26 @@ MAX_BODY_BYTES = 256 << 20   # larger client bodies get 413
 
 
 class Orchestrator:
-    def __init__(self, config: ClusterConfig, limits: HTTPLimits = HTTPLimits()):
+    """control_url: one of a fleet (fleet.py): the port is shared (SO_REUSEPORT) and the
+    registered workers are kept by the fleet's parent at control_url; None: a registry of
+    this process's own (orchestrator/registry.py)."""
+
+    def __init__(self, config: ClusterConfig, limits: HTTPLimits = HTTPLimits(),
+                 control_url: str | None = None):
         if not config.internal_secret:
             raise ValueError(NO_SECRET)
-        self.config = config
-        self.gate = Gate(config.api_key, None)
+        self.config, self.reuse_port = config, control_url is not None
+        self.gate = Gate(config.api_key, config.internal_secret)
         self.metrics = OrchestratorMetrics()
         self.pools = Pools(config, self.metrics)
         self.decider = Decider(config, self.metrics)
         self._kv_poll: asyncio.Task | None = None
+        self.registry = Registry(config.remove_unhealthy_after) if control_url is None else None
+        self.membership = (LocalMembership(self.registry) if control_url is None
+                           else RemoteMembership(control_url, self.pools))
+        if self.registry is not None:     # leases lapsing, health removals: at once
+            self.registry.listeners.append(lambda: self.pools.sync(self.registry.listing()))
+        self._registry_task: asyncio.Task | None = None
         self.routes = {                    # path -> (method, handler)
             "/v1/completions": ("POST", self.generate),
             "/v1/chat/completions": ("POST", self.generate),
@@ -68,6 +82,8 @@ class Orchestrator:
             self.metrics.requests.labels(request.path if allowed else "other", "refused",
                                          refusal.status).inc()
             return Response(refusal.body, refusal.status, headers=refusal.headers)
+        if request.path.startswith("/internal/"):
+            return await self.internal(request)
         if route is None:
             return _error(404, f"no endpoint {request.path}", "NotFoundError")
         if not allowed:
@@ -120,7 +136,18 @@ class Orchestrator:
 
     async def health(self, request: Request) -> Response:
         body, status = self.pools.health()
+        body["pid"] = os.getpid()     # which process of a fleet answered
         return Response(orjson.dumps(body), status)
+
+    async def internal(self, request: Request) -> Response:
+        """The worker registration API (orchestrator/registry.py): internal requests only.
+        A change answered here reaches this process's pools at once."""
+        if not self.gate.internal(request.header):
+            return _error(403, NOT_INTERNAL)
+        status, body = await self.membership.call(request.method, request.path, request.body)
+        if status == 200:
+            self.pools.sync(orjson.loads(body)["data"])
+        return Response(body, status)
 
     async def prometheus(self, request: Request) -> Response:
         return Response(self.metrics.registry.render(),
@@ -128,12 +155,17 @@ class Orchestrator:
 
     # -- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
-        await self.pools.start()
+        await self.pools.start(self.membership)
+        if self.registry is not None:
+            self._registry_task = asyncio.create_task(self.registry.run(
+                self.pools.session, self.config.health_check_interval))
+            self._registry_task.add_done_callback(_report_failure)
         self._kv_poll = asyncio.create_task(self.decider.poll(self.pools.session, self.pools))
         self._kv_poll.add_done_callback(_report_failure)
         self.gc.start()
         # backlog: connections a burst may open before the loop accepts them
-        await self.http.start(self.config.host, self.config.port, LISTEN_BACKLOG)
+        await self.http.start(self.config.host, self.config.port, LISTEN_BACKLOG,
+                              reuse_port=self.reuse_port)
         logger.info("orch: serving on http://%s:%d (ctx: %s; gen: %s)", self.config.host,
                     self.http.port, ", ".join(s.url for s in self.pools.ctx.servers),
                     ", ".join(s.url for s in self.pools.gen.servers))
@@ -143,6 +175,8 @@ class Orchestrator:
         self.gc.stop()
         self._kv_poll.cancel()
         self.decider.close()
+        if self._registry_task is not None:
+            self._registry_task.cancel()
         await self.pools.stop()
 
 
@@ -158,11 +192,11 @@ def _report_failure(task: asyncio.Task) -> None:
 
 
 async def run_orchestrator(config: ClusterConfig, should_stop=None, banner: str = "",
-                           companion=None) -> None:
+                           companion=None, **options) -> None:
     """Serve until Ctrl-C / SIGTERM (or should_stop() turns true). companion: a coroutine
     function of the Orchestrator run alongside it (`splitserve up` watches its workers),
-    cancelled first on the way out."""
-    orch = Orchestrator(config)
+    cancelled first on the way out. options: Orchestrator's (control_url)."""
+    orch = Orchestrator(config, **options)
     await orch.start()
     task = None
     if companion is not None:

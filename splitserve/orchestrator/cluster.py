@@ -15,8 +15,6 @@ class PoolConfig:
     router: str = "round_robin"
 
     def __post_init__(self):
-        if not self.urls:
-            raise ValueError("a server pool needs at least one url")
         from splitserve.orchestrator.routers import ROUTERS
         if self.router not in ROUTERS:
             raise ValueError(f"unknown router {self.router!r}; known: {', '.join(ROUTERS)}")
@@ -30,6 +28,14 @@ class ClusterConfig:
     port: int = 8000
     token_relay: str = "auto"     # how prompt tokens travel CTX -> GEN (orchestrator/relay.py)
     health_check_interval: float = 2.0
+    # How often each worker's reported load is read (GET /health); 0: only with the health
+    # checks. Routers weigh Server.load, which is this report plus what was sent since.
+    load_poll_interval: float = 0.5
+    # Orchestrator processes serving `port` together (SO_REUSEPORT; orchestrator/fleet.py).
+    processes: int = 1
+    # A registered worker that fails its health checks this long leaves the pools
+    # (orchestrator/registry.py); static urls stay whatever happens.
+    remove_unhealthy_after: float = 10.0
     # No total timeout: a long stream may run for hours. Each phase has its own bound.
     connect_timeout: float = 5.0        # opening a connection to a worker
     first_byte_timeout: float = 600.0   # request sent -> CTX's whole answer / GEN's first event
@@ -64,6 +70,13 @@ class ClusterConfig:
         if self.local_prefill_max_tokens < 0:
             raise ValueError(f"local_prefill_max_tokens must be 0 (off) or more, got "
                              f"{self.local_prefill_max_tokens!r}")
+        if not 1 <= self.processes <= 64:
+            raise ValueError(f"processes must be 1 to 64, got {self.processes!r}")
+        if self.processes > 1 and not self.port:
+            raise ValueError("several orchestrator processes share a port: give one (not 0)")
+        if self.load_poll_interval < 0:
+            raise ValueError(f"load_poll_interval must be 0 or more, got "
+                             f"{self.load_poll_interval!r}")
         if self.max_retries < 0:
             raise ValueError(f"max_retries must be 0 or more, got {self.max_retries!r}")
 
@@ -91,16 +104,38 @@ def _pool(raw) -> PoolConfig:
     return PoolConfig(tuple(raw.get("urls", ())), raw.get("router", "round_robin"))
 
 
-@dataclass
+@dataclass(eq=False)     # compared by identity: a request's failed tries name these objects
 class Server:
+    """One worker as this orchestrator sees it. `load` is what routers weigh: the worker's
+    last report (GET /health's "load") corrected by this orchestrator's own requests since:
+    plus those sent since the report and still open, minus those the report counted that
+    have finished (so: reported + in_flight now - in_flight at the report), and never less
+    than this orchestrator's own in-flight count. Before any report: that count alone.
+
+    The report is max(running + waiting, in_flight): running and waiting are the engine's,
+    so they count every front-end process of the worker and every orchestrator's requests;
+    in_flight (the answering front-end's open generation requests) also counts those not
+    in the engine yet (tokenizing, queued on the ZeroMQ socket)."""
     url: str
     healthy: bool = True
-    in_flight: int = 0
-
-    @property
-    def load(self) -> float:
-        """What routers weigh: requests in flight from this orchestrator (for now)."""
-        return self.in_flight
+    in_flight: int = 0            # this orchestrator's requests open on it
+    static: bool = True           # from the YAML: never leaves the pool
+    reported: int | None = None   # the last report's load, None before the first
+    _in_flight_at_report: int = 0
 
     def __hash__(self) -> int:
         return hash(self.url)
+
+    @property
+    def load(self) -> int:
+        if self.reported is None:
+            return self.in_flight
+        return max(self.reported + self.in_flight - self._in_flight_at_report, self.in_flight)
+
+    def report(self, load) -> None:
+        """load: a worker's /health "load" object; ignored unless it is well-formed."""
+        try:
+            reported = max(int(load["running"]) + int(load["waiting"]), int(load["in_flight"]))
+        except (KeyError, TypeError, ValueError):
+            return
+        self.reported, self._in_flight_at_report = reported, self.in_flight

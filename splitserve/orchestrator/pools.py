@@ -14,6 +14,7 @@ import orjson
 
 from splitserve.orchestrator import migrate, relay, stream, upstream
 from splitserve.orchestrator.cluster import ClusterConfig, Server
+from splitserve.orchestrator.probes import PROBE, Probes
 from splitserve.orchestrator.relay import UpstreamError
 from splitserve.orchestrator.routers import RequestInfo, make_router, route
 from splitserve.orchestrator.upstream import Retry
@@ -22,14 +23,31 @@ from splitserve.trust import INTERNAL_HEADER
 logger = logging.getLogger(__name__)
 
 ROLE = {"ctx": "context", "gen": "generation"}
-_PROBE = aiohttp.ClientTimeout(total=2.0)   # health checks and /v1/models
 
 
 class Pool:
+    """A role's servers: the YAML's (static, permanent) and the registered ones
+    (orchestrator/registry.py), which come and go with sync()."""
+
     def __init__(self, name: str, urls, router: str):
         self.name = name
         self.servers = [Server(u.rstrip("/")) for u in urls]
         self.router = make_router(router)
+
+    def sync(self, urls) -> None:
+        """The registered members are `urls` now: new ones join at once (healthy: a worker
+        registers once it serves), the others leave. A request in flight on a server that
+        left finishes there: it holds the Server, the pool no longer offers it."""
+        urls = {u.rstrip("/") for u in urls}
+        kept = [s for s in self.servers if s.static or s.url in urls]
+        for s in self.servers:
+            if not s.static and s.url not in urls:
+                logger.info("orch: %s server %s left the pool", self.name, s.url)
+        added = sorted(urls - {s.url for s in kept})
+        for url in added:
+            logger.info("orch: %s server %s joined the pool", self.name, url)
+        if added or len(kept) != len(self.servers):
+            self.servers = kept + [Server(u, static=False) for u in added]
 
     def pick(self, info: RequestInfo, avoid=()) -> Server | None:
         """A healthy server, one not in `avoid` if there is one."""
@@ -82,13 +100,14 @@ class Pools:
         self.ctx = Pool("ctx", config.context_servers.urls, config.context_servers.router)
         self.gen = Pool("gen", config.generation_servers.urls, config.generation_servers.router)
         self.session: aiohttp.ClientSession | None = None
-        self._health_task: asyncio.Task | None = None
+        self.probes = Probes(self)
 
     # -- one request ----------------------------------------------------------------------
     async def serve(self, request, body: dict, aggregated: bool, t0: float, info: RequestInfo):
         """(the client's response, its route label). request: the client's httpd Request,
-        which a GEN stream is written to; info: what the routers read (decide.py). A failed GEN try prefills again: the CTX lease
-        may be gone (the dead GEN pulled and acked it, or it expired)."""
+        which a GEN stream is written to; info: what the routers read (decide.py). A failed
+        GEN try prefills again: the CTX lease may be gone (the dead GEN pulled and acked it,
+        or it expired)."""
         mode = None
         if aggregated:
             ctx_data, gen_data = None, orjson.dumps(body)
@@ -166,6 +185,11 @@ class Pools:
         for pool in (self.ctx, self.gen):
             pool.mark_down(url)
 
+    def sync(self, members: list[dict]) -> None:
+        """The registry's members (orchestrator/registry.py) join or leave the pools."""
+        for pool in (self.ctx, self.gen):
+            pool.sync(m["url"] for m in members if m["role"] == ROLE[pool.name])
+
     def health(self) -> tuple[dict, int]:
         """200 while every pool has a healthy server (status "degraded" if some are down)."""
         pools = (self.ctx, self.gen)
@@ -179,7 +203,7 @@ class Pools:
         for server in self.gen.servers:
             if server.healthy:
                 try:
-                    async with self.session.get(server.url + "/v1/models", timeout=_PROBE) as r:
+                    async with self.session.get(server.url + "/v1/models", timeout=PROBE) as r:
                         if r.status != 200:   # (a worker's refusal is not the client's answer)
                             continue
                         return await r.read()
@@ -187,25 +211,8 @@ class Pools:
                     continue
         return None
 
-    async def _health_loop(self) -> None:
-        checks = [(pool, server) for pool in (self.ctx, self.gen) for server in pool.servers]
-        while True:
-            # Concurrently: a worker that hangs must not delay the others' verdicts.
-            await asyncio.gather(*(self._check_health(p, s) for p, s in checks))
-            await asyncio.sleep(self.config.health_check_interval)
-
-    async def _check_health(self, pool: Pool, server: Server) -> None:
-        try:
-            async with self.session.get(server.url + "/health", timeout=_PROBE) as r:
-                healthy = r.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError):
-            healthy = False
-        if healthy != server.healthy:
-            logger.info("orch: %s server %s is %s", pool.name, server.url,
-                        "up" if healthy else "down")
-        server.healthy = healthy
-
-    async def start(self) -> None:
+    async def start(self, membership=None) -> None:
+        """membership: where the registered workers are read (orchestrator/registry.py)."""
         # No total or read timeout here: upstream.py bounds the wait for the first byte,
         # stream.py the gaps in a stream, however long the stream runs.
         self.session = aiohttp.ClientSession(
@@ -213,8 +220,8 @@ class Pools:
             connector=aiohttp.TCPConnector(limit=0),
             # Every request to a worker: CTX, GEN, migrations, health checks, /v1/models.
             headers={INTERNAL_HEADER: self.config.internal_secret})
-        self._health_task = asyncio.create_task(self._health_loop())
+        self.probes.start(membership)
 
     async def stop(self) -> None:
-        self._health_task.cancel()
+        self.probes.stop()
         await self.session.close()

@@ -56,14 +56,15 @@ class RoundRobin(Router):
 
 
 class LeastLoaded(Router):
-    """Fewest requests in flight from this orchestrator; ties go round robin."""
+    """The lowest Server.load: the worker's reported load (so other orchestrators' requests
+    count too), corrected by this orchestrator's own since the report; ties round robin."""
 
     def __init__(self):
         self._rr = RoundRobin()
 
     def pick(self, servers, info):
-        low = min(s.in_flight for s in servers)
-        return self._rr.pick([s for s in servers if s.in_flight == low], info)
+        low = min(s.load for s in servers)
+        return self._rr.pick([s for s in servers if s.load == low], info)
 
 
 def rendezvous(servers: list[Server], key: bytes) -> Server:

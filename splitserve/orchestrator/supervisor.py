@@ -1,5 +1,5 @@
-"""`splitserve up`'s workers: child processes restarted when they exit, while the
-orchestrator and the other workers keep serving.
+"""`splitserve up`'s workers and a fleet's orchestrator processes (fleet.py): child
+processes restarted when they exit, while the others keep serving.
 
 A worker that exits is started again after a delay that doubles with each exit (1 s up to
 30 s), back to 1 s once it has run for a minute: a worker that cannot start does not spin.
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import subprocess
 import time
@@ -22,20 +23,41 @@ POLL_INTERVAL = 0.25
 
 
 class WorkerChild:
-    """One worker: its command, its current process, its restart schedule."""
+    """One child: its command, its current process, its restart schedule. stdin: bytes
+    written to each process's stdin, which then stays open, non-blocking (the child sees
+    EOF when this process is gone; notify() writes to it)."""
 
-    def __init__(self, role: str, url: str, cmd: list[str], env: dict):
+    def __init__(self, role: str, url: str, cmd: list[str], env: dict,
+                 stdin: bytes | None = None, what: str = "worker"):
         self.role, self.url, self.cmd, self.env = role, url, cmd, env
+        self.stdin, self.what = stdin, what
         self.backoff = BACKOFF_MIN
         self.restart_at: float | None = None
+        self.proc: subprocess.Popen | None = None
         self.start()
 
     def start(self) -> None:
-        self.proc = subprocess.Popen(self.cmd, env=self.env)
+        if self.proc is not None and self.proc.stdin is not None:
+            self.proc.stdin.close()
+        if self.stdin is None:
+            self.proc = subprocess.Popen(self.cmd, env=self.env)
+        else:
+            self.proc = subprocess.Popen(self.cmd, env=self.env, stdin=subprocess.PIPE)
+            self.proc.stdin.write(self.stdin)
+            self.proc.stdin.flush()
+            os.set_blocking(self.proc.stdin.fileno(), False)
         self.started = time.monotonic()
 
+    def notify(self) -> None:
+        """One newline on the child's stdin; dropped if its pipe is full (it is not reading)
+        or it is gone."""
+        try:
+            os.write(self.proc.stdin.fileno(), b"\n")
+        except OSError:       # BlockingIOError, BrokenPipeError
+            pass
+
     def __str__(self) -> str:
-        return f"{self.role} worker {self.url}"
+        return f"{self.role} {self.what} {self.url}"
 
 
 def describe_exit(returncode: int) -> str:
@@ -48,8 +70,8 @@ def describe_exit(returncode: int) -> str:
 
 
 class Supervisor:
-    def __init__(self, children: list[WorkerChild]):
-        self.children = children
+    def __init__(self, children: list[WorkerChild], log_prefix: str = "up"):
+        self.children, self.log_prefix = children, log_prefix
 
     async def watch(self, on_exit: Callable[[str], None]) -> None:
         """Restart exited workers until cancelled; on_exit(url) as soon as one exits."""
@@ -58,7 +80,7 @@ class Supervisor:
                 try:
                     self._tend(child, on_exit)
                 except OSError as exc:    # could not start it: try again later
-                    logger.error("up: starting %s failed: %s", child, exc)
+                    logger.error("%s: starting %s failed: %s", self.log_prefix, child, exc)
                     self._schedule(child, time.monotonic())
             await asyncio.sleep(POLL_INTERVAL)
 
@@ -70,14 +92,16 @@ class Supervisor:
             if now - child.started >= STABLE_AFTER:
                 child.backoff = BACKOFF_MIN
             delay = self._schedule(child, now)
-            logger.error("up: %s (pid %d) %s; restarting it in %.0f s (at %s)", child,
+            logger.error("%s: %s (pid %d) %s; restarting it in %.0f s (at %s)",
+                         self.log_prefix, child,
                          child.proc.pid, describe_exit(child.proc.returncode), delay,
                          time.strftime("%H:%M:%S", time.localtime(time.time() + delay)))
             on_exit(child.url)
         elif now >= child.restart_at:
             child.restart_at = None
             child.start()
-            logger.warning("up: %s restarted (pid %d); it serves again once healthy", child,
+            logger.warning("%s: %s restarted (pid %d); it serves again once healthy",
+                           self.log_prefix, child,
                            child.proc.pid)
 
     @staticmethod
@@ -89,3 +113,17 @@ class Supervisor:
 
     def processes(self) -> list[subprocess.Popen]:
         return [c.proc for c in self.children]
+
+
+def stop_processes(procs: list[subprocess.Popen], timeout: float = 30.0) -> None:
+    """SIGTERM each, SIGKILL what is left after `timeout` seconds, and wait for all."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            p.wait(max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()

@@ -1,8 +1,11 @@
 """`splitserve up`: a whole local cluster (CTX and GEN workers + orchestrator) in one command.
 
-Workers are child processes (`splitserve serve --role ...`); the orchestrator runs in this
-process. A worker that exits is restarted (supervisor.py) while the rest keep serving. Ctrl-C
-(or SIGTERM) stops the orchestrator, then every worker, and waits for them.
+Workers are child processes (`splitserve serve --role ... --register <orchestrator>`): they
+join the orchestrator's pools by registering (orchestrator/registry.py), as workers started
+anywhere else would. The orchestrator runs in this process, or, with --orchestrators N, as
+a fleet of N child processes on the one port that this process supervises (fleet.py). A
+worker that exits is restarted (supervisor.py) while the rest keep serving. Ctrl-C (or
+SIGTERM) stops the orchestrator(s), then every worker, and waits for them.
 """
 
 from __future__ import annotations
@@ -13,7 +16,6 @@ import os
 import secrets
 import signal
 import socket
-import subprocess
 import sys
 import time
 import urllib.request
@@ -22,7 +24,8 @@ from splitserve import envs
 from splitserve.model.loader import DEFAULT_MODEL
 from splitserve.orchestrator.app import run_orchestrator
 from splitserve.orchestrator.cluster import ClusterConfig, PoolConfig
-from splitserve.orchestrator.supervisor import Supervisor, WorkerChild
+from splitserve.orchestrator.fleet import run_fleet
+from splitserve.orchestrator.supervisor import Supervisor, WorkerChild, stop_processes
 from splitserve.placement import (ClusterPlan, WorkerPlan, format_cpus, pin_process,
                                   plan_cluster, usable_cpus)
 
@@ -36,7 +39,8 @@ def worker_command(args, role: str, port: int, cpus: WorkerPlan) -> list[str]:
            "--role", role, "--port", str(port), "--host", args.host, "--dtype", args.dtype,
            "--kv-backend", args.kv_backend, "--kv-cache-gib", str(args.kv_cache_gib),
            "--threads", str(cpus.engine_threads), "--cpus", format_cpus(cpus.engine_cpus),
-           "--frontend-cpus", format_cpus(cpus.frontend_cpus)]
+           "--frontend-cpus", format_cpus(cpus.frontend_cpus),
+           "--register", f"http://{args.host}:{args.port}"]
     if args.model:
         cmd += ["--model", args.model]
     if role == "gen" and args.gen_api_servers > 1:
@@ -104,24 +108,12 @@ def wait_healthy(procs, urls, timeout: float) -> None:
         time.sleep(0.3)
 
 
-def stop_workers(procs: list[subprocess.Popen], timeout: float = 30.0) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        try:
-            p.wait(max(deadline - time.monotonic(), 0.1))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-
-
-def banner(config: ClusterConfig) -> str:
+def banner(config: ClusterConfig, args) -> str:
     url = f"http://{config.host}:{config.port}"
     auth = "  -H 'Authorization: Bearer <your API key>' \\\n" if config.api_key else ""
-    return (f"\nsplitserve is up: {url}  (ctx: {len(config.context_servers.urls)}, "
-            f"gen: {len(config.generation_servers.urls)}); Ctrl-C stops everything\n\n"
+    fleet = f", orchestrators: {config.processes}" if config.processes > 1 else ""
+    return (f"\nsplitserve is up: {url}  (ctx: {args.num_ctx}, gen: {args.num_gen}{fleet}); "
+            f"Ctrl-C stops everything\n\n"
             f"curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
             f"{auth}"
             f"  -d '{{\"messages\": [{{\"role\": \"user\", \"content\": \"What is the capital of "
@@ -142,17 +134,21 @@ def up(args) -> int:
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
         wait_healthy(supervisor.processes(), [c.url for c in children], args.start_timeout)
-        urls = {role: tuple(c.url for c in children if c.role == role) for role in ("ctx", "gen")}
         limits = {k: getattr(args, k) for k in ("max_in_flight", "first_byte_timeout",
                                                 "idle_timeout") if getattr(args, k) is not None}
-        config = ClusterConfig(PoolConfig(urls["ctx"], args.ctx_router),
-                               PoolConfig(urls["gen"], args.gen_router), host=args.host,
-                               port=args.port, api_key=secret_env.get("SPLITSERVE_API_KEY"),
+        # No urls: the workers register (--register) and come and go like any others.
+        config = ClusterConfig(PoolConfig((), args.ctx_router), PoolConfig((), args.gen_router),
+                               host=args.host, port=args.port, processes=args.orchestrators,
+                               api_key=secret_env.get("SPLITSERVE_API_KEY"),
                                internal_secret=secret_env["SPLITSERVE_INTERNAL_SECRET"],
                                local_prefill_max_tokens=args.local_prefill_max_tokens,
                                model=args.model or DEFAULT_MODEL, **limits)
-        asyncio.run(run_orchestrator(config, banner=banner(config),
-                                     companion=lambda orch: supervisor.watch(orch.mark_down)))
+        if config.processes > 1:
+            asyncio.run(run_fleet(config, args.log_level, banner(config, args),
+                                  companion=lambda registry: supervisor.watch(registry.forget)))
+        else:
+            asyncio.run(run_orchestrator(config, banner=banner(config, args),
+                                         companion=lambda orch: supervisor.watch(orch.mark_down)))
         return 0
     except KeyboardInterrupt:
         return 0
@@ -163,4 +159,4 @@ def up(args) -> int:
         # Stopping: a second Ctrl-C must not leave workers behind unwaited for.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        stop_workers(supervisor.processes())
+        stop_processes(supervisor.processes())

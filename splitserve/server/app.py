@@ -24,6 +24,7 @@ from splitserve.server.engine_link import EngineLink
 from splitserve.server.generate import GenerateHandlers
 from splitserve.server.kv_blocks import PATH as KV_BLOCKS, kv_blocks_response
 from splitserve.server.metrics import ServerMetrics
+from splitserve.server.registration import Registration
 from splitserve.signals import wait_for_stop_signal
 from splitserve.trust import Gate, NotInternal, Refusal, forbidden
 
@@ -71,7 +72,7 @@ class WorkerServer:
             lambda i: self.tokenizer.decode([i], skip_special_tokens=False))
         self.created = int(time.time())
         self.gate = Gate(config.api_key, config.internal_secret)
-        gen = GenerateHandlers(self)
+        self.handlers = gen = GenerateHandlers(self)
         self.routes = {                    # path -> (method, handler)
             "/v1/completions": ("POST", gen.completions),
             "/v1/chat/completions": ("POST", gen.chat),
@@ -163,7 +164,8 @@ class WorkerServer:
         if problem is None:
             # `bench frontend --url` refuses a worker whose KV backend is not `none`
             return json_response({"status": "ok", "role": self.config.role,
-                                  "kv_backend": self.config.engine.kv.backend})
+                                  "kv_backend": self.config.engine.kv.backend,
+                                  "load": self.handlers.load()})
         return _error(503, problem, "server_error")
 
     async def prometheus(self, request: Request) -> Response:
@@ -210,6 +212,9 @@ class WorkerServer:
         logger.info("%s: serving %s (%s) on http://%s:%d%s", self.log_prefix, ready.model_name,
                     ready.dtype, self.config.host, self.http.port,
                     f" (front-end {self.engine.peer}, pid {os.getpid()})" if shared else "")
+        # One registration per worker: front-end 1 speaks for the others on the same port.
+        self.registration = (Registration.start(self.config, self.http.port)
+                             if self.engine.peer <= 1 else None)
 
     async def _report(self) -> None:
         while True:
@@ -218,6 +223,7 @@ class WorkerServer:
             self.engine.report(self.metrics.frontend_state())
 
     async def stop(self) -> None:
+        await Registration.leave(getattr(self, "registration", None))
         if self._reporter is not None:
             self._reporter.cancel()
         await self.http.close()

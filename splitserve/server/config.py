@@ -32,6 +32,7 @@ class ServerConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     # HTTP front-end processes sharing the port and one engine process (server/frontends.py)
     api_server_count: int = 1
+    register: str | None = None    # an orchestrator's url to register with (registration.py)
 
     def __post_init__(self):
         if self.role not in ROLES:

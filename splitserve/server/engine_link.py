@@ -81,9 +81,11 @@ class EngineLink:
     def in_flight(self) -> int:
         """Requests submitted and not finished, by this front-end and (as of their last
         reports) the worker's other front-ends."""
-        if not self.peer_reports:
-            return len(self.queues)
-        return len(self.queues) + sum(r.in_flight for r in self.peer_reports.values())
+        return len(self.queues) + self.peers_in_flight()
+
+    def peers_in_flight(self) -> int:
+        """The worker's other front-ends' requests in flight, as of their last reports."""
+        return sum(r.in_flight for r in self.peer_reports.values()) if self.peer_reports else 0
 
     @property
     def num_waiting(self) -> int:

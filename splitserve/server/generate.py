@@ -7,6 +7,7 @@ per-request work here; tokenization and chat templates run in the tokenizer thre
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from contextlib import aclosing
@@ -31,10 +32,34 @@ logger = logging.getLogger(__name__)
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
 
+def _counted(handler):
+    """in_flight counts a generation request from its arrival to its last byte sent."""
+    @functools.wraps(handler)
+    async def counted(self, request):
+        self.in_flight += 1
+        try:
+            return await handler(self, request)
+        finally:
+            self.in_flight -= 1
+    return counted
+
+
 class GenerateHandlers:
     def __init__(self, server):
         self.server = server          # server.app.WorkerServer: engine, tokenizer, metrics
+        self.in_flight = 0
 
+    def load(self) -> dict:
+        """GET /health's "load": the engine's running and waiting requests and KV use
+        (engine-wide), and the worker's generation requests open: this front-end's, from
+        arrival, and the other front-ends' (--api-server-count) as they last reported."""
+        engine = self.server.engine
+        stats, total = engine.stats, engine.stats.kv_blocks_total
+        return {"running": stats.num_running, "waiting": stats.num_waiting,
+                "in_flight": self.in_flight + engine.peers_in_flight(),
+                "kv_usage": stats.kv_blocks_used / total if total else 0.0}
+
+    @_counted
     async def completions(self, request: Request) -> Response | ChunkedStream:
         arrival = _arrival(request)
         self.server.admit()
@@ -58,6 +83,7 @@ class GenerateHandlers:
         echo = [EchoPrompt(t, int(p.array[0])) for p, t in zip(prompts, texts)] if req.echo else ()
         return await self._respond(request, req, prompts, params, echo, arrival, remote)
 
+    @_counted
     async def chat(self, request: Request) -> Response | ChunkedStream:
         arrival = _arrival(request)
         self.server.admit()

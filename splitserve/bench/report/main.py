@@ -7,7 +7,8 @@ counts, --duration, a subprocess timeout); a step that fails is written into the
 failure with its error, and the report goes on. Servers run in their own process group and
 are stopped with SIGINT (SIGKILL of the group if they hang) in a `finally`: nothing is left
 running (steps.py). Each section is a module of its own: engine.py, worker.py, disagg.py,
-frontend.py, frontends.py, prefix.py, reference.py (against CPU vLLM, with --vllm-venv).
+frontend.py, frontends.py, prefix.py, fleet.py, reference.py (against CPU vLLM, with
+--vllm-venv).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import time
 from splitserve.bench.report.config import ReportConfig
 from splitserve.bench.report.disagg import DISAGG, disagg
 from splitserve.bench.report.engine import ENGINE, engine
+from splitserve.bench.report.fleet import FLEET, fleet
 from splitserve.bench.report.frontend import FRONTEND, frontend
 from splitserve.bench.report.frontends import FRONTENDS, frontends
 from splitserve.bench.report.machine import (LoadProbe, git_commit, machine, machine_line,
@@ -31,7 +33,7 @@ from splitserve.bench.report.steps import StepFailed, run_inprocess, tool
 from splitserve.bench.report.worker import WORKER, worker
 
 SECTIONS = ((ENGINE, engine), (WORKER, worker), (DISAGG, disagg), (FRONTEND, frontend),
-            (FRONTENDS, frontends), (PREFIX, prefix), (REFERENCE, reference))
+            (FRONTENDS, frontends), (PREFIX, prefix), (FLEET, fleet), (REFERENCE, reference))
 
 
 HOWTO = "How to regenerate"

@@ -1,0 +1,222 @@
+"""Workers that come and go: the registry of workers that joined at run time, and its
+HTTP API (internal: only requests carrying the cluster's internal secret).
+
+    POST /internal/workers          {"role": "context"|"generation", "url": ..., "ttl": s}
+                                    join, or renew the lease (a heartbeat)
+    POST /internal/workers/remove   {"url": ...}  leave (DELETE /internal/workers too)
+    GET  /internal/workers          the members
+
+Every answer is the member list, {"object": "list", "data": [{"role", "url", "ttl",
+"expires_in"}, ...]}; a bad body is a 400 with an OpenAI error body naming the field.
+
+A member leaves when its lease lapses (no heartbeat for `ttl` seconds) or after failing its
+health checks for `remove_unhealthy_after` seconds; the registry runs those checks itself.
+The YAML's urls are not members: they stay in the pools whatever happens.
+
+Where the registry lives: in a single orchestrator process, in that process
+(LocalMembership). In a fleet (orchestrator/fleet.py), in the parent, on a loopback
+control port: each child forwards the registration API to it (RemoteMembership) and reads
+the member list from it whenever the parent says it changed (a newline on the child's
+stdin: fleet.py) and before every round of health checks, so a worker that joins or leaves
+through any child joins or leaves all of them within milliseconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from urllib.parse import urlsplit
+
+import aiohttp
+import msgspec
+import orjson
+
+from splitserve.errors import InvalidRequestError
+from splitserve.protocol.openai import error_body
+
+logger = logging.getLogger(__name__)
+
+ROLES = ("context", "generation")
+MAX_URL_CHARS = 512
+TTL_RANGE = (1.0, 3600.0)       # seconds a lease may be given
+MAX_MEMBERS = 256
+PATHS = ("/internal/workers", "/internal/workers/remove")
+NOT_INTERNAL = ("the /internal/ endpoints take only the cluster's internal requests; this "
+                "request does not carry the cluster's internal secret")
+
+
+class Registration(msgspec.Struct, forbid_unknown_fields=True):
+    role: str
+    url: str
+    ttl: float = 30.0
+
+
+class Removal(msgspec.Struct, forbid_unknown_fields=True):
+    url: str
+
+
+class Member(msgspec.Struct):
+    role: str
+    url: str
+    ttl: float
+    expires: float                       # time.monotonic() when the lease lapses
+    unhealthy_since: float | None = None
+
+
+def _decode(struct, body: bytes):
+    try:
+        return msgspec.json.decode(body, type=struct)
+    except msgspec.ValidationError as exc:
+        # "... at `$.ttl`" or "... field `url`": the field named, as param
+        match = re.search(r"(?:at `\$\.|field `)(\w+)`", str(exc))
+        raise InvalidRequestError(str(exc), match and match.group(1)) from None
+    except msgspec.DecodeError:
+        raise InvalidRequestError("the request body is not valid JSON") from None
+
+
+def _check_url(url: str) -> str:
+    if len(url) > MAX_URL_CHARS:
+        raise InvalidRequestError(f"url is longer than {MAX_URL_CHARS} characters", "url")
+    try:
+        parts = urlsplit(url)
+        parts.port   # noqa: B018 (raises on a port out of range)
+    except ValueError:
+        parts = None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname \
+            or parts.path not in ("", "/") or parts.query or parts.fragment:
+        raise InvalidRequestError("url must be a worker's base url, http://host:port", "url")
+    return url.rstrip("/")
+
+
+class Registry:
+    def __init__(self, remove_unhealthy_after: float, max_members: int = MAX_MEMBERS):
+        self.remove_after, self.max_members = remove_unhealthy_after, max_members
+        self.members: dict[str, Member] = {}
+        self.listeners: list = []     # called (no arguments) when a member joins or leaves
+
+    def _changed(self) -> None:
+        for listener in self.listeners:
+            listener()
+
+    def register(self, body: bytes) -> None:
+        reg = _decode(Registration, body)
+        if reg.role not in ROLES:
+            raise InvalidRequestError(f"role must be one of {', '.join(ROLES)}, got "
+                                      f"{reg.role[:40]!r}", "role")
+        if not TTL_RANGE[0] <= reg.ttl <= TTL_RANGE[1]:
+            raise InvalidRequestError(f"ttl must be {TTL_RANGE[0]:g} to {TTL_RANGE[1]:g} "
+                                      f"seconds, got {reg.ttl!r}", "ttl")
+        url = _check_url(reg.url)
+        member = self.members.get(url)
+        if member is None and len(self.members) >= self.max_members:
+            raise InvalidRequestError(f"the cluster holds its limit of {self.max_members} "
+                                      f"registered workers", "url")
+        if member is None or member.role != reg.role:
+            logger.info("orch: %s worker %s registered (ttl %g s)", reg.role, url, reg.ttl)
+            member = self.members[url] = Member(reg.role, url, reg.ttl, time.monotonic() + reg.ttl)
+            self._changed()
+        member.ttl, member.expires = reg.ttl, time.monotonic() + reg.ttl
+
+    def remove(self, body: bytes) -> None:
+        url = _check_url(_decode(Removal, body).url)
+        if self.members.pop(url, None) is not None:
+            logger.info("orch: worker %s left", url)
+            self._changed()
+
+    def forget(self, url: str) -> None:
+        """A worker is known to be gone (`splitserve up` saw its process exit)."""
+        if self.members.pop(url, None) is not None:
+            logger.info("orch: worker %s exited; it leaves until it registers again", url)
+            self._changed()
+
+    def listing(self) -> list[dict]:
+        now = time.monotonic()
+        return [{"role": m.role, "url": m.url, "ttl": m.ttl,
+                 "expires_in": round(max(m.expires - now, 0.0), 3)}
+                for m in self.members.values()]
+
+    def handle(self, method: str, path: str, body: bytes) -> tuple[int, bytes]:
+        """The HTTP API (the caller checked the internal secret): (status, JSON body)."""
+        try:
+            if (method, path) == ("POST", PATHS[0]):
+                self.register(body)
+            elif (method, path) in (("POST", PATHS[1]), ("DELETE", PATHS[0])):
+                self.remove(body)
+            elif (method, path) not in (("GET", PATHS[0]), ("HEAD", PATHS[0])):
+                return 405 if path in PATHS else 404, error_body(
+                    f"no endpoint {method} {path}", "invalid_request_error")
+        except InvalidRequestError as exc:
+            return 400, error_body(exc.message, "invalid_request_error", exc.param)
+        return 200, orjson.dumps({"object": "list", "data": self.listing()})
+
+    # -- leases and health -------------------------------------------------------------
+    def expire(self, now: float) -> None:
+        before = len(self.members)
+        for url, m in list(self.members.items()):
+            if m.expires <= now:
+                logger.warning("orch: %s worker %s sent no heartbeat for %g s; it leaves",
+                               m.role, url, m.ttl)
+                del self.members[url]
+            elif m.unhealthy_since is not None and now - m.unhealthy_since >= self.remove_after:
+                logger.warning("orch: %s worker %s failed its health checks for %g s; it "
+                               "leaves", m.role, url, now - m.unhealthy_since)
+                del self.members[url]
+        if len(self.members) != before:
+            self._changed()
+
+    async def run(self, session: aiohttp.ClientSession, interval: float) -> None:
+        """Check the members' health and expire them, every `interval` seconds."""
+        while True:
+            members = list(self.members.values())
+            verdicts = await asyncio.gather(*(_answers(session, m.url) for m in members))
+            now = time.monotonic()
+            for m, ok in zip(members, verdicts):
+                m.unhealthy_since = None if ok else (m.unhealthy_since or now)
+            self.expire(now)
+            await asyncio.sleep(interval)
+
+
+async def _answers(session: aiohttp.ClientSession, url: str) -> bool:
+    try:
+        async with session.get(url + "/health", timeout=aiohttp.ClientTimeout(total=2.0)) as r:
+            return r.status == 200
+    except (aiohttp.ClientError, asyncio.TimeoutError):
+        return False
+
+
+class LocalMembership:
+    """The registry in this orchestrator process."""
+
+    def __init__(self, registry: Registry):
+        self.registry = registry
+
+    async def call(self, method: str, path: str, body: bytes) -> tuple[int, bytes]:
+        return self.registry.handle(method, path, body)
+
+    async def members(self) -> list[dict] | None:
+        return self.registry.listing()
+
+
+class RemoteMembership:
+    """A fleet child's view: the parent's registry behind its loopback control port,
+    called with the session of the pools (which carries the internal secret)."""
+
+    def __init__(self, control_url: str, pools):
+        self.control_url, self.pools = control_url.rstrip("/"), pools
+
+    async def call(self, method: str, path: str, body: bytes) -> tuple[int, bytes]:
+        try:
+            async with self.pools.session.request(
+                    method, self.control_url + path, data=body,
+                    timeout=aiohttp.ClientTimeout(total=5.0)) as r:
+                return r.status, await r.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            logger.error("orch: the fleet's registry did not answer: %s", exc)
+            return 503, error_body("the worker registry is not available; retry later",
+                                   "server_error")
+
+    async def members(self) -> list[dict] | None:
+        status, body = await self.call("GET", PATHS[0], b"")
+        return orjson.loads(body)["data"] if status == 200 else None

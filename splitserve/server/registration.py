@@ -1,0 +1,94 @@
+"""`splitserve serve --register ORCH_URL`: the worker keeps itself in an orchestrator's
+pools (orchestrator/registry.py's API) while it serves, and leaves when it stops cleanly.
+
+It sends {"role", "url", "ttl"} every ttl/3 seconds (every second while the orchestrator
+does not answer, so a worker started before its orchestrator joins as soon as it is up),
+with the cluster's internal secret, and POST /internal/workers/remove on a clean stop,
+before it stops taking connections, so no orchestrator routes to it after it went. A
+worker killed outright is removed when its lease lapses (TTL seconds); meanwhile the
+orchestrators' health checks route around it. --role ctx registers as a context worker,
+gen and agg as generation workers (an agg worker serves whole requests too).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+import urllib.request
+
+from splitserve.trust import INTERNAL_HEADER
+
+logger = logging.getLogger(__name__)
+
+TTL = 10.0            # seconds the orchestrator keeps this worker without a heartbeat
+RETRY = 1.0           # seconds between tries while the orchestrator does not answer
+ROLE = {"ctx": "context", "gen": "generation", "agg": "generation"}
+WILDCARDS = ("", "0.0.0.0", "::")
+
+
+def own_url(host: str, port: int) -> str:
+    """The url the orchestrator reaches this worker at (a wildcard host: this machine's
+    name)."""
+    host = socket.getfqdn() if host in WILDCARDS else host
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+class Registration:
+    def __init__(self, orchestrator: str, role: str, url: str, secret: str | None,
+                 log_prefix: str):
+        self.orchestrator, self.secret = orchestrator.rstrip("/"), secret
+        self.log_prefix = log_prefix
+        self.entry = {"role": ROLE[role], "url": url, "ttl": TTL}
+        self.task = asyncio.create_task(self._heartbeat())
+
+    @classmethod
+    def start(cls, config, port: int) -> Registration | None:
+        """Heartbeats for a worker serving on `port` (config: server.config.ServerConfig);
+        None unless it was given an orchestrator to register with."""
+        if not config.register:
+            return None
+        return cls(config.register, config.role, own_url(config.host, port),
+                   config.internal_secret, config.log_prefix)
+
+    @staticmethod
+    async def leave(registration: Registration | None) -> None:
+        if registration is not None:
+            await registration.stop()
+
+    def _post(self, path: str, body: dict) -> None:
+        req = urllib.request.Request(
+            self.orchestrator + path, json.dumps(body).encode(), method="POST",
+            headers={"Content-Type": "application/json", INTERNAL_HEADER: self.secret or ""})
+        with urllib.request.urlopen(req, timeout=5) as r:
+            r.read()
+
+    async def _heartbeat(self) -> None:
+        registered = None     # None: not tried yet; False: failing (said once)
+        while True:
+            try:
+                await asyncio.to_thread(self._post, "/internal/workers", self.entry)
+            except OSError as exc:    # urllib's errors (HTTPError: a refusal) are OSErrors
+                if registered is not False:
+                    logger.warning("%s: registering with %s failed (%s); trying every %g s",
+                                   self.log_prefix, self.orchestrator, exc, RETRY)
+                registered = False
+                await asyncio.sleep(RETRY)
+                continue
+            if not registered:
+                logger.info("%s: registered with %s as %s", self.log_prefix,
+                            self.orchestrator, self.entry["url"])
+            registered = True
+            await asyncio.sleep(TTL / 3)
+
+    async def stop(self) -> None:
+        """Stop the heartbeats and leave (bounded: a gone orchestrator does not hold up
+        the worker's stop)."""
+        self.task.cancel()
+        try:
+            await asyncio.wait_for(asyncio.to_thread(
+                self._post, "/internal/workers/remove", {"url": self.entry["url"]}), 6)
+            logger.info("%s: left %s", self.log_prefix, self.orchestrator)
+        except (OSError, asyncio.TimeoutError) as exc:
+            logger.warning("%s: leaving %s failed: %s", self.log_prefix, self.orchestrator, exc)
