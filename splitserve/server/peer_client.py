@@ -92,10 +92,6 @@ class PeerEngineClient(EngineLink):
             except OSError:
                 self.parent_gone = True
 
-    @property
-    def peers_in_flight(self) -> int:
-        return sum(r.in_flight for r in self.peer_reports.values())
-
     async def shutdown(self, timeout: float = 10.0) -> None:
         self.dead_reason = self.dead_reason or "the worker is shutting down"
         if not self.parent_gone:
