@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import time
@@ -183,7 +184,7 @@ def wait_for(cond, timeout: float, what: str = "condition") -> None:
 def answers_health(url: str) -> bool:
     try:
         return get(url + "/health")[0] == 200
-    except OSError:
+    except (OSError, http.client.HTTPException):   # (up.wait_healthy says when)
         return False
 
 

@@ -234,3 +234,26 @@ def test_the_engine_sockets_live_in_a_directory_only_this_user_may_enter():
             ctx.destroy(linger=0)
 
     assert not os.path.exists(asyncio.run(life()))
+
+
+def test_an_engine_whose_starter_died_while_it_loaded_exits(tmp_path):
+    """The pid of the process that started the engine is given to it, not read once it has
+    loaded: a front-end killed while its engine imports torch and builds the model (up's
+    workers, when up itself fails) leaves no engine behind, waiting for a parent that is
+    gone. Here the engine is told its starter is a process that has already exited."""
+    import multiprocessing
+    import subprocess
+    import sys
+    from splitserve.config import EngineConfig
+    from splitserve.engine.process import run_engine_core
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    proc = multiprocessing.get_context("spawn").Process(target=run_engine_core, args=(
+        EngineConfig(model="tiny-random", dtype="float32", num_threads=1),
+        f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out", "t", gone.pid))
+    proc.start()
+    proc.join(120)
+    alive = proc.is_alive()
+    if alive:
+        proc.kill()
+    assert not alive and proc.exitcode == 0

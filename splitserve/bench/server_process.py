@@ -3,6 +3,7 @@ worker `bench frontend` starts, and the workers and orchestrators of the end-to-
 
 from __future__ import annotations
 
+import http.client
 import os
 import socket
 import subprocess
@@ -45,7 +46,7 @@ class ServerProcess:
         try:
             with urllib.request.urlopen(self.url + "/health", timeout=10) as r:
                 return r.status == 200
-        except OSError:
+        except (OSError, http.client.HTTPException):   # (up.wait_healthy says when)
             return False
 
     def close(self) -> None:

@@ -39,9 +39,14 @@ SWITCH_INTERVAL = 0.0005    # seconds: how long the input thread may wait for th
 
 
 def run_engine_core(config: EngineConfig, input_addrs: str | list[str],
-                    output_addrs: str | list[str], log_prefix: str = "engine") -> None:
+                    output_addrs: str | list[str], log_prefix: str = "engine",
+                    parent: int | None = None) -> None:
     """Process entry point. Ends on Shutdown, on SIGTERM, or when the parent dies. One
-    (input, output) address pair per front-end (process_io.py); the first is the parent's."""
+    (input, output) address pair per front-end (process_io.py); the first is the parent's.
+    parent: the pid of the process that started this one, given by it: one that dies while
+    this process imports torch and builds the model is noticed too (os.getppid() read
+    here would already be init's)."""
+    parent = os.getppid() if parent is None else parent
     logging.basicConfig(level=envs.log_level(),
                         format=f"%(asctime)s %(levelname)s {log_prefix} %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # the front-end decides when we stop
@@ -75,7 +80,6 @@ def run_engine_core(config: EngineConfig, input_addrs: str | list[str],
                           engine.max_model_len, bm.num_blocks, bm.block_size,
                           engine.remote_kv.endpoint))
     threading.Thread(target=_recv_loop, args=(ctx, input_addrs, in_q), daemon=True).start()
-    parent = os.getppid()
     engine.remote_kv.wake = lambda: in_q.put(_WAKE)   # KV pulls and acks end on other threads
     try:
         peers = 1 if isinstance(output_addrs, str) else len(output_addrs)

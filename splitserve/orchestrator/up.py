@@ -18,6 +18,7 @@ import signal
 import socket
 import sys
 import time
+import http.client
 import urllib.request
 
 from splitserve import envs
@@ -101,7 +102,9 @@ def wait_healthy(procs, urls, timeout: float) -> None:
                 with urllib.request.urlopen(url + "/health", timeout=2) as r:
                     if r.status == 200:
                         del pending[url]
-            except OSError:
+            # HTTPException: not yet an HTTP server there; e.g. a connection to a port in the
+            # ephemeral range nobody listens on yet can meet itself (TCP simultaneous open)
+            except (OSError, http.client.HTTPException):
                 pass
         if time.monotonic() > deadline:
             raise TimeoutError(f"workers not healthy after {timeout:.0f} s: {', '.join(pending)}")

@@ -165,8 +165,18 @@ class WorkerServer:
             # `bench frontend --url` refuses a worker whose KV backend is not `none`
             return json_response({"status": "ok", "role": self.config.role,
                                   "kv_backend": self.config.engine.kv.backend,
-                                  "load": self.handlers.load()})
+                                  "load": self.load()})
         return _error(503, problem, "server_error")
+
+    def load(self) -> dict:
+        """GET /health's "load": the engine's running and waiting requests and KV use
+        (engine-wide), and the worker's generation requests open: this front-end's, from
+        arrival, and the other front-ends' (--api-server-count) as they last reported."""
+        engine = self.engine
+        stats, total = engine.stats, engine.stats.kv_blocks_total
+        return {"running": stats.num_running, "waiting": stats.num_waiting,
+                "in_flight": self.handlers.in_flight + engine.peers_in_flight(),
+                "kv_usage": stats.kv_blocks_used / total if total else 0.0}
 
     async def prometheus(self, request: Request) -> Response:
         self.metrics.update_engine(self.engine.stats)

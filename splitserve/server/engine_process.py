@@ -144,7 +144,7 @@ class EngineProcess(EngineSockets):
             addrs = (self.input_addr, self.output_addr)
         self.process = multiprocessing.get_context("spawn").Process(
             target=_engine_main, name=f"{log_prefix}-core", daemon=True,
-            args=(config, *addrs, log_prefix))
+            args=(config, *addrs, log_prefix, os.getpid()))
 
     async def start(self, timeout: float) -> EngineReady:
         """Spawn the process and wait for its handshake; EngineDeadError (and everything

@@ -49,16 +49,6 @@ class GenerateHandlers:
         self.server = server          # server.app.WorkerServer: engine, tokenizer, metrics
         self.in_flight = 0
 
-    def load(self) -> dict:
-        """GET /health's "load": the engine's running and waiting requests and KV use
-        (engine-wide), and the worker's generation requests open: this front-end's, from
-        arrival, and the other front-ends' (--api-server-count) as they last reported."""
-        engine = self.server.engine
-        stats, total = engine.stats, engine.stats.kv_blocks_total
-        return {"running": stats.num_running, "waiting": stats.num_waiting,
-                "in_flight": self.in_flight + engine.peers_in_flight(),
-                "kv_usage": stats.kv_blocks_used / total if total else 0.0}
-
     @_counted
     async def completions(self, request: Request) -> Response | ChunkedStream:
         arrival = _arrival(request)
