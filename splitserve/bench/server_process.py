@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.client
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -12,10 +13,23 @@ import time
 import urllib.request
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(span: int = 1) -> int:
+    """A port P with P .. P+span-1 free now (`splitserve up --port P` puts workers on P+1...),
+    below Linux's ephemeral ports (32768+): an outgoing connection cannot take one
+    meanwhile, nor meet itself on one while a client polls it before its server listens
+    (TCP simultaneous open: it would hold the port the server is about to bind)."""
+    for port in random.sample(range(10000, 32768 - span), 100):
+        socks = [socket.socket() for _ in range(span)]
+        try:
+            for i, s in enumerate(socks):
+                s.bind(("127.0.0.1", port + i))
+            return port
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise OSError(f"found no {span} consecutive free ports")
 
 
 class ServerProcess:

@@ -9,9 +9,10 @@ from splitserve.bench.metrics import latency_stats, server_deltas
 from splitserve.bench.report.config import ReportConfig
 from splitserve.bench.report.machine import LoadProbe
 from splitserve.bench.report.markdown import Section, commands, failed, num, stats, table
-from splitserve.bench.report.steps import (STEP_ERRORS, Service, free_port, load_json, plot_step,
+from splitserve.bench.report.steps import (STEP_ERRORS, Service, load_json, plot_step,
                                            run_step, scrape, tool)
 from splitserve.bench.report.worker import bench_serve_cmd, error_counts, worker_cmd
+from splitserve.bench.server_process import free_port
 
 MIXED_SEED = 22       # full run: long prompts are requests 6 and 15 of 20; quick: 6 of 8
 DISAGG = "Aggregated vs disaggregated: short chats while long prompts prefill"

@@ -10,8 +10,9 @@ import os
 from splitserve.bench.report.config import ReportConfig
 from splitserve.bench.report.machine import BACKGROUND, LoadProbe
 from splitserve.bench.report.markdown import Section, commands, failed_cell, num, stats, table
-from splitserve.bench.report.steps import STEP_ERRORS, Service, free_port, load_json, run_step, tool
+from splitserve.bench.report.steps import STEP_ERRORS, Service, load_json, run_step, tool
 from splitserve.bench.report.worker import bench_serve_cmd, error_counts
+from splitserve.bench.server_process import free_port
 
 FLEET = "Orchestrator fleet: one vs two orchestrator processes on one port"
 ORCHESTRATORS = (1, 2)

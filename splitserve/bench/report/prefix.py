@@ -18,7 +18,8 @@ import numpy as np
 
 from splitserve.bench.report.config import ReportConfig
 from splitserve.bench.report.markdown import Section, commands, num, table
-from splitserve.bench.report.steps import Service, free_port, scrape, tool
+from splitserve.bench.report.steps import Service, scrape, tool
+from splitserve.bench.server_process import free_port
 
 PREFIX = "Prefix reuse: KV bytes pulled per request, with and without a prefix hit"
 PREFIX_LEN, NEW = 1024, 64

@@ -13,9 +13,9 @@ import os
 from splitserve.bench.report.config import ReportConfig
 from splitserve.bench.report.machine import LoadProbe, torch_isa
 from splitserve.bench.report.markdown import Section, commands, failed, num, table
-from splitserve.bench.report.steps import (STEP_ERRORS, Service, free_port, load_json, run_step,
-                                           tool)
+from splitserve.bench.report.steps import STEP_ERRORS, Service, load_json, run_step, tool
 from splitserve.bench.report.worker import bench_serve_cmd
+from splitserve.bench.server_process import free_port
 
 REFERENCE = "Against CPU vLLM on this machine"
 VLLM_START_SECONDS = 1800.0    # installs (first run) and compiles the model with inductor

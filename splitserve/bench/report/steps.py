@@ -8,9 +8,7 @@ import contextlib
 import io
 import json
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -74,23 +72,6 @@ def run_inprocess(cmd: list[str]) -> str:
     if code not in (0, None):
         raise StepFailed(f"exit code {code}: {shown(cmd)}\n{_tail(err.getvalue())}")
     return out.getvalue()
-
-
-def free_port(span: int = 1) -> int:
-    """A port P with P .. P+span-1 free now (`splitserve up --port P` puts workers on P+1...),
-    below Linux's ephemeral ports (32768+), so outgoing connections cannot take them meanwhile."""
-    for port in random.sample(range(10000, 32768 - span), 100):
-        socks = [socket.socket() for _ in range(span)]
-        try:
-            for i, s in enumerate(socks):
-                s.bind(("127.0.0.1", port + i))
-            return port
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise StepFailed(f"found no {span} consecutive free ports")
 
 
 def scrape(url: str) -> dict:

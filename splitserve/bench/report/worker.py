@@ -7,8 +7,9 @@ from __future__ import annotations
 from splitserve.bench.report.config import ReportConfig
 from splitserve.bench.report.machine import BACKGROUND, LoadProbe
 from splitserve.bench.report.markdown import Section, commands, failed_cell, num, stats, table
-from splitserve.bench.report.steps import (STEP_ERRORS, Service, free_port, load_json, plot_step,
+from splitserve.bench.report.steps import (STEP_ERRORS, Service, load_json, plot_step,
                                            run_step, tool)
+from splitserve.bench.server_process import free_port
 
 WORKER = "One worker: latency and throughput against concurrency"
 
