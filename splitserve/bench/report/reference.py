@@ -101,7 +101,9 @@ def _table(doc: dict) -> str:
              _ratio(r, "output_throughput"), _ratio(r, "ttft_p50_ms"),
              _ratio(r, "itl_mean_ms"), _ratio(r, "itl_p99_ms")] for r in _vs_first(doc["rows"])]
     return (f"**{doc['what']}** vs vLLM: prompts of {wl['input_len']} tokens, {wl['output_len']} "
-            f"output tokens; other processes kept {doc['background']:.1f} cores busy.\n\n"
+            f"output tokens; processes other than splitserve's kept {doc['background']:.1f} "
+            "cores busy during the step, vLLM serving its own turns of the interleaved runs "
+            "among them.\n\n"
             + table(["server", "load", "ok / failed", "out tok/s", "TTFT p50", "TTFT p99",
                      "ITL avg", "ITL p99", "tok/s ratio", "TTFT p50 ratio", "ITL avg ratio",
                      "ITL p99 ratio"],
