@@ -205,11 +205,20 @@ class UpCluster:
         finally:
             if out:
                 out.close()
+        # up's workers register as each comes up; the cluster is whole once all have joined
+        want = {role: int(args[args.index(flag) + 1]) if flag in args else 1
+                for role, flag in (("ctx", "--num-ctx"), ("gen", "--num-gen"))}
         try:
-            wait_for(lambda: answers_health(self.url), timeout, "cluster health")
+            wait_for(lambda: answers_health(self.url) and self.joined() == want, timeout,
+                     "cluster health")
         except BaseException:
             self.close()
             raise
+
+    def joined(self) -> dict[str, int]:
+        """How many workers of each role the orchestrator counts healthy."""
+        healthy = json.loads(get(self.url + "/health")[1])["healthy"]
+        return {role: len(healthy[role]) for role in ("ctx", "gen")}
 
     def interrupt(self) -> None:
         """Ctrl-C: `up` exits 0 and every process it started is gone."""

@@ -233,6 +233,9 @@ def test_up_restarts_a_killed_worker(tmp_path):
     up = UpCluster(*MODEL, "--num-gen", "2", log=log, log_level="INFO")
     gen_url, port = f"http://127.0.0.1:{up.port + 3}", up.port + 3
     try:
+        # up's workers register as each comes up: the orchestrator answers /health once each
+        # pool has one, which may be before the second GEN has joined
+        wait_for(lambda: _gens_healthy(up.url) == 2, 60, "both GENs registered")
         victim = _worker_pid(up.proc.pid, port)
         os.kill(victim, signal.SIGKILL)
         for _ in range(4):    # meanwhile: routed around the dead GEN
