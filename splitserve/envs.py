@@ -37,3 +37,16 @@ def internal_secret() -> str | None:
     """SPLITSERVE_INTERNAL_SECRET: the cluster's internal secret when no --internal-secret
     is given. `splitserve up` sets it for the processes it starts, so no command line shows it."""
     return os.environ.get("SPLITSERVE_INTERNAL_SECRET") or None
+
+
+def native_kernels() -> bool:
+    """SPLITSERVE_NATIVE_KERNELS: 0 runs every engine kernel in PyTorch instead of the C
+    kernels splitserve/kernels/build.py compiles for this CPU (default 1)."""
+    return os.environ.get("SPLITSERVE_NATIVE_KERNELS", "1") != "0"
+
+
+def kernel_cache() -> str:
+    """SPLITSERVE_KERNEL_CACHE: where the C kernels built for this machine are kept
+    (default ~/.cache/splitserve/kernels)."""
+    return os.environ.get("SPLITSERVE_KERNEL_CACHE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "splitserve", "kernels")

@@ -1,0 +1,96 @@
+"""Builds the engine's C kernels for this machine, once, and loads them with ctypes.
+
+A kernel source (splitserve/kernels/*.c) is plain C11 with no Python or torch headers, so
+it compiles in about a second. It is built with `-march=native`: the same source gets
+AVX512 code on a CPU that has it and AVX2 code on one that does not. The shared object is
+cached under SPLITSERVE_KERNEL_CACHE (default ~/.cache/splitserve/kernels), named by a
+digest of the source, the compiler's version, the flags and the CPU's flags, so a changed
+source, compiler or machine builds afresh. Concurrent builds (several workers starting at
+once) each write a private file and rename it into place; the last rename wins, and every
+one of them is the same build.
+
+No compiler, a failed build or SPLITSERVE_NATIVE_KERNELS=0 gives None: the engine then
+runs its PyTorch path and logs why once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from splitserve import envs
+
+logger = logging.getLogger(__name__)
+
+_SOURCES = Path(__file__).parent
+FLAGS = ("-O3", "-march=native", "-mtune=native", "-fPIC", "-shared", "-std=c11",
+         "-fno-math-errno", "-fno-trapping-math", "-Wall", "-Werror")
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    return ""
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def _version(cc: str) -> str:
+    out = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30)
+    return out.stdout
+
+
+@functools.cache
+def load(name: str) -> ctypes.CDLL | None:
+    """The kernel library `name` (splitserve/kernels/<name>.c) built for this machine, or
+    None when it cannot be had (the reason is logged once)."""
+    if not envs.native_kernels():
+        logger.info("native kernels off (SPLITSERVE_NATIVE_KERNELS=0): %s runs in PyTorch", name)
+        return None
+    cc = _compiler()
+    if cc is None:
+        logger.warning("no C compiler found (cc, gcc or $CC): %s runs in PyTorch, slower", name)
+        return None
+    try:
+        return ctypes.CDLL(str(_build(cc, name)))
+    except (OSError, subprocess.SubprocessError) as e:
+        logger.warning("building the %s kernel failed, it runs in PyTorch: %s", name, e)
+        return None
+
+
+def _build(cc: str, name: str) -> Path:
+    source = (_SOURCES / f"{name}.c").read_bytes()
+    digest = hashlib.sha256(b"\0".join([source, _version(cc).encode(), " ".join(FLAGS).encode(),
+                                         _cpu_flags().encode()])).hexdigest()[:16]
+    cache = Path(envs.kernel_cache())
+    target = cache / f"{name}-{digest}.so"
+    if target.exists():
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
+    os.close(fd)
+    try:
+        out = subprocess.run([cc, *FLAGS, "-o", tmp, str(_SOURCES / f"{name}.c"), "-lm"],
+                             capture_output=True, text=True, timeout=300)
+        if out.returncode:
+            raise OSError(f"{cc} exited {out.returncode}: {out.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    logger.info("built the %s kernel for this CPU: %s", name, target)
+    return target
