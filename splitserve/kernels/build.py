@@ -30,8 +30,10 @@ from splitserve import envs
 logger = logging.getLogger(__name__)
 
 _SOURCES = Path(__file__).parent
-FLAGS = ("-O3", "-march=native", "-mtune=native", "-fPIC", "-shared", "-std=c11",
-         "-fno-math-errno", "-fno-trapping-math", "-Wall", "-Werror")
+# -ffp-contract=fast: ISO C mode would otherwise keep every a * b + c as two roundings and
+# two instructions, where the kernels want one FMA.
+FLAGS = ("-O3", "-fPIC", "-shared", "-std=c11", "-ffp-contract=fast", "-fno-math-errno",
+         "-fno-trapping-math", "-Wall", "-Werror")
 
 
 def _cpu_flags() -> str:
@@ -58,6 +60,11 @@ def _version(cc: str) -> str:
 def load(name: str) -> ctypes.CDLL | None:
     """The kernel library `name` (splitserve/kernels/<name>.c) built for this machine, or
     None when it cannot be had (the reason is logged once)."""
+    return build_for(name, "native")
+
+
+def build_for(name: str, march: str) -> ctypes.CDLL | None:
+    """`name` built with -march=`march` ("native", or e.g. "haswell" for AVX2 code)."""
     if not envs.native_kernels():
         logger.info("native kernels off (SPLITSERVE_NATIVE_KERNELS=0): %s runs in PyTorch", name)
         return None
@@ -66,15 +73,16 @@ def load(name: str) -> ctypes.CDLL | None:
         logger.warning("no C compiler found (cc, gcc or $CC): %s runs in PyTorch, slower", name)
         return None
     try:
-        return ctypes.CDLL(str(_build(cc, name)))
+        return ctypes.CDLL(str(_build(cc, name, march)))
     except (OSError, subprocess.SubprocessError) as e:
         logger.warning("building the %s kernel failed, it runs in PyTorch: %s", name, e)
         return None
 
 
-def _build(cc: str, name: str) -> Path:
+def _build(cc: str, name: str, march: str) -> Path:
     source = (_SOURCES / f"{name}.c").read_bytes()
-    digest = hashlib.sha256(b"\0".join([source, _version(cc).encode(), " ".join(FLAGS).encode(),
+    flags = (*FLAGS, f"-march={march}", f"-mtune={march}")
+    digest = hashlib.sha256(b"\0".join([source, _version(cc).encode(), " ".join(flags).encode(),
                                          _cpu_flags().encode()])).hexdigest()[:16]
     cache = Path(envs.kernel_cache())
     target = cache / f"{name}-{digest}.so"
@@ -84,7 +92,7 @@ def _build(cc: str, name: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
     os.close(fd)
     try:
-        out = subprocess.run([cc, *FLAGS, "-o", tmp, str(_SOURCES / f"{name}.c"), "-lm"],
+        out = subprocess.run([cc, *flags, "-o", tmp, str(_SOURCES / f"{name}.c"), "-lm"],
                              capture_output=True, text=True, timeout=300)
         if out.returncode:
             raise OSError(f"{cc} exited {out.returncode}: {out.stderr.strip()[-2000:]}")
@@ -92,5 +100,5 @@ def _build(cc: str, name: str) -> Path:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    logger.info("built the %s kernel for this CPU: %s", name, target)
+    logger.info("built the %s kernel for -march=%s: %s", name, march, target)
     return target

@@ -11,12 +11,15 @@ chunk gets its own call, causal within the chunk and over all earlier context.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from splitserve.model import native_attention
 
 
 @dataclass
@@ -25,7 +28,18 @@ class PrefillChunk:
     length: int                      # query tokens in this chunk
     token_offset: int                # index of its first token in the step's flat batch
     block_table: torch.Tensor        # (1, n_blocks) long
-    mask: torch.Tensor | None        # (1, 1, length, start + length) additive; None: causal, no past
+    sliding_window: int | None
+    dtype: torch.dtype               # the queries'
+
+    @functools.cached_property
+    def mask(self) -> torch.Tensor | None:
+        """(1, 1, length, start + length) additive, or None: causal with no past. Built only
+        for SDPA, on first use (the C kernel masks as it goes)."""
+        length, end, window = self.length, self.start + self.length, self.sliding_window
+        if self.start == 0 and (window is None or length <= window):
+            return None
+        allowed = _visible(torch.arange(self.start, end), end, window)
+        return _additive(allowed.view(1, 1, length, -1), self.dtype)
 
 
 class GatherBuffer:
@@ -113,12 +127,8 @@ def _prefill_chunk(block_size: int, block_ids: np.ndarray, start: int, length: i
                    token_offset: int, sliding_window: int | None,
                    dtype: torch.dtype) -> PrefillChunk:
     n_blocks = (start + length + block_size - 1) // block_size
-    mask = None
-    if start > 0 or (sliding_window is not None and length > sliding_window):
-        allowed = _visible(torch.arange(start, start + length), start + length, sliding_window)
-        mask = _additive(allowed.view(1, 1, length, -1), dtype)
     table = torch.from_numpy(block_ids[:n_blocks]).view(1, -1)   # shares the request's array
-    return PrefillChunk(start, length, token_offset, table, mask)
+    return PrefillChunk(start, length, token_offset, table, sliding_window, dtype)
 
 
 def _gather(kv_cache: torch.Tensor, layer: int, table: torch.Tensor, length: int,
@@ -151,8 +161,14 @@ def paged_attention(q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor,
         o = F.scaled_dot_product_attention(q[:nd].view(b, kvh, -1, d), keys, vals,  # (B, KVH, G, D)
                                            attn_mask=meta.decode_mask, scale=scale)
         outs.append(o.reshape(nd, -1, d))
+    native = bool(meta.prefills) and native_attention.usable(q)
     for c in meta.prefills:
         s = slice(c.token_offset, c.token_offset + c.length)
+        o = native_attention.prefill(q[s], kv_cache, layer, c.block_table, c.start,
+                                     c.sliding_window, scale) if native else None
+        if o is not None:
+            outs.append(o)
+            continue
         qc = q[s].transpose(0, 1).unsqueeze(0)                                 # (1, H, L, D)
         if c.mask is None:
             keys, vals = kv[s].permute(1, 2, 0, 3).unsqueeze(1)                 # (1, KVH, L, D) each

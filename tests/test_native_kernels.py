@@ -1,0 +1,135 @@
+"""The C kernels (splitserve/kernels/) against PyTorch, and how they are built and refused."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from splitserve.kernels import build
+from splitserve.model import native_attention
+
+pytestmark = pytest.mark.skipif(build.load("attention") is None,
+                                reason="no C compiler on this machine")
+
+
+def _avx2() -> bool:
+    with open("/proc/cpuinfo") as f:
+        return " avx2 " in f.read()
+
+
+def _paged_case(heads, kv_heads, dim, total, start, block_size, window, seed=0, layers=3):
+    """A shuffled paged cache holding keys/values for positions 0..total-1 at layer 1, the
+    queries of positions start..total-1 as a strided view like the engine's, and the float64
+    reference output."""
+    g = torch.Generator().manual_seed(seed)
+    n = (total + block_size - 1) // block_size
+    cache = torch.randn(n + 3, layers, 2, block_size, kv_heads, dim, generator=g)
+    table = torch.randperm(n + 3, generator=g)[:n].view(1, -1)
+    qkv = torch.randn(total - start, heads + 2 * kv_heads, dim, generator=g)
+    q = qkv[:, :heads]                                              # (L, H, D), rows strided
+    keys, vals = (cache[table[0], 1, i].reshape(-1, kv_heads, dim)[:total].transpose(0, 1)
+                  for i in (0, 1))                                   # (KVH, S, D)
+    pos, key = torch.arange(start, total).view(-1, 1), torch.arange(total).view(1, -1)
+    allowed = key <= pos
+    if window:
+        allowed &= key > pos - window
+    ref = F.scaled_dot_product_attention(q.transpose(0, 1).double(), keys.double(), vals.double(),
+                                         attn_mask=allowed, scale=dim ** -0.5, enable_gqa=True)
+    return q, cache, table, ref.transpose(0, 1).float()
+
+
+CASES = [  # heads, kv_heads, dim, total, start, block_size, window
+    (9, 3, 64, 700, 0, 16, None),        # SmolLM2's heads, a first chunk
+    (9, 3, 64, 700, 512, 16, None),      # a later chunk over earlier context
+    (9, 3, 64, 37, 36, 16, None),        # one query
+    (4, 4, 32, 77, 5, 8, None),          # no grouping, a position tail in every vector
+    (14, 2, 64, 129, 0, 16, None),       # 7 heads per KV head: units of 3, 3 and 1
+    (8, 2, 128, 90, 1, 4, None),         # head_dim 128
+    (9, 3, 64, 500, 100, 16, 64),        # sliding window
+    (6, 3, 64, 300, 0, 16, 40),          # window from the first position
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_prefill_attention_matches_sdpa(case):
+    heads, kv_heads, dim, total, start, block_size, window = case
+    q, cache, table, ref = _paged_case(*case)
+    out = native_attention.prefill(q, cache, 1, table, start, window, dim ** -0.5)
+    sdpa_err = 2e-6    # what float32 SDPA reaches against float64 on these cases
+    assert out is not None and (out - ref).abs().max().item() < 2 * sdpa_err
+
+
+@pytest.mark.skipif(not _avx2(), reason="the CPU has no AVX2")
+def test_avx2_build_matches_the_native_build(monkeypatch):
+    """The AVX2 code path (8-float vectors) computes every row as the native one does."""
+    lib = build.build_for("attention", "haswell")
+    assert lib is not None
+    monkeypatch.setattr(native_attention, "_kernel", lambda: native_attention.bind(lib))
+    for case in CASES:
+        q, cache, table, ref = _paged_case(*case)
+        out = native_attention.prefill(q, cache, 1, table, case[4], case[6], case[2] ** -0.5)
+        assert (out - ref).abs().max().item() < 4e-6
+
+
+def test_unsupported_head_dim_falls_back():
+    q, cache, table, _ = _paged_case(2, 1, 260, 20, 0, 4, None)
+    assert native_attention.prefill(q, cache, 1, table, 0, None, 0.1) is None
+
+
+def test_engine_output_is_unchanged_without_the_kernel(tiny_source, monkeypatch):
+    """Greedy tokens and the logits they come from, with chunked prefill over earlier
+    context, are the same through SDPA as through the kernel."""
+    from splitserve.config import CacheConfig, EngineConfig, SchedulerConfig
+    from splitserve.engine.core import EngineCore
+    from splitserve.model.attention import build_metadata
+
+    def logits(native: bool):
+        monkeypatch.setattr(native_attention, "usable", lambda q: native)
+        cfg = EngineConfig(model="tiny-random", dtype="float32", seed=0,
+                           cache=CacheConfig(4, 64, enable_prefix_caching=False),
+                           scheduler=SchedulerConfig(16, 4))
+        runner = EngineCore(cfg, tiny_source).runner
+        model, kv = runner.model, runner.kv_cache
+        ids = torch.randint(3, 1000, (40,), generator=torch.Generator().manual_seed(1))
+        blocks = torch.arange(10).numpy()
+        out = []
+        for s in range(0, 40, 16):     # three chunks, the later two over earlier context
+            n = min(16, 40 - s)
+            meta = build_metadata(4, [], [(blocks, s, n)], None)
+            out.append(model.logits(model(ids[s:s + n], torch.arange(s, s + n), kv, meta)))
+        return torch.cat(out)
+
+    with_kernel, without = logits(True), logits(False)
+    assert torch.equal(with_kernel.argmax(-1), without.argmax(-1))
+    assert (with_kernel - without).abs().max().item() < 1e-4
+
+
+def test_a_failed_build_gives_none_and_says_why(tmp_path, monkeypatch, caplog):
+    (tmp_path / "broken.c").write_text("int f( {\n")
+    monkeypatch.setattr(build, "_SOURCES", tmp_path)
+    monkeypatch.setenv("SPLITSERVE_KERNEL_CACHE", str(tmp_path / "cache"))
+    with caplog.at_level(logging.WARNING):
+        assert build.build_for("broken", "native") is None
+    assert "building the broken kernel failed" in caplog.text and "error" in caplog.text
+    assert not list((tmp_path / "cache").glob("*.so"))     # nothing half-written is kept
+
+
+def test_no_compiler_or_switched_off_gives_none(monkeypatch, caplog):
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    with caplog.at_level(logging.WARNING):
+        assert build.build_for("attention", "native") is None
+    assert "building the attention kernel failed" in caplog.text
+    monkeypatch.delenv("CC")
+    monkeypatch.setenv("SPLITSERVE_NATIVE_KERNELS", "0")
+    assert build.build_for("attention", "native") is None
+
+
+def test_builds_are_cached_by_source(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPLITSERVE_KERNEL_CACHE", str(tmp_path))
+    assert build.build_for("attention", "native") is not None
+    first = list(tmp_path.glob("attention-*.so"))
+    assert build.build_for("attention", "native") is not None
+    assert list(tmp_path.glob("attention-*.so")) == first and len(first) == 1
