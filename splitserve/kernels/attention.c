@@ -41,6 +41,14 @@ typedef float vfu __attribute__((vector_size(VW * 4), aligned(4)));   /* unalign
 typedef int32_t vi __attribute__((vector_size(VW * 4)));
 
 static inline vf load(const float *p) { return *(const vfu *)p; }
+/* Pins a value to a register: without it the compiler folds a vector reused by several
+ * FMAs back into each of them as a memory operand, and the loads, not the FMAs, set the pace. */
+#if defined(__x86_64__)
+#define IN_REGISTER(x) __asm__("" : "+v"(x))
+#else
+#define IN_REGISTER(x) ((void)0)
+#endif
+
 static inline vf splat(float x) {
 #if defined(__AVX512F__)
     return (vf)_mm512_set1_ps(x);
@@ -62,13 +70,14 @@ static inline vf vmax(vf a, vf b) {
 #endif
 }
 
+/* exp(x) for x <= 0 (softmax only takes exponents of differences from a running max):
+ * 2^n * exp(r) with n = round(x / ln 2), |r| <= ln 2 / 2. Below -87, where 2^n leaves the
+ * normal floats, it returns exp(-87) ~ 1.6e-38; callers zero the masked lanes themselves. */
 static inline vf vexp(vf x) {
-    /* exp(x) = 2^n * exp(r), n = round(x / ln 2), |r| <= ln 2 / 2 */
+    const float magic = 12582912.0f;                  /* 1.5 * 2^23: adding it rounds to an integer */
     x = vmax(x, splat(-87.0f));
-    x = sel(x < splat(88.0f), x, splat(88.0f));
-    vf t = x * 1.44269504088896341f + 0.5f;
-    vf fn = __builtin_convertvector(__builtin_convertvector(t, vi), vf);
-    fn = sel(fn > t, fn - 1.0f, fn);                    /* floor of t: truncation rounds up below 0 */
+    vf t = x * 1.44269504088896341f + magic;
+    vf fn = t - magic;
     vf r = x - fn * 0.693359375f + fn * 2.12194440e-4f;
     vf r2 = r * r;
     vf p = 1.9875691500e-4f * r + 1.3981999507e-3f;
@@ -77,7 +86,9 @@ static inline vf vexp(vf x) {
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * r2 + r + 1.0f;
-    vi bits = (__builtin_convertvector(fn, vi) + 127) << 23;
+    vi n;                                             /* the low bits of t hold n */
+    memcpy(&n, &t, sizeof n);
+    vi bits = (n - 0x4B400000 + 127) << 23;
     vf scale;
     memcpy(&scale, &bits, sizeof scale);
     return p * scale;
@@ -118,11 +129,17 @@ static inline __attribute__((always_inline)) void qk_tile(
         const float *const *k = rows + j;
         vf acc[KB][RVMAX] = {{{0}}};
         for (int d = 0; d < D; d++) {
+            vf qd[RVMAX];          /* loaded once, used KB times: keeps the loads off the FMAs */
+#pragma GCC unroll 3
+            for (int v = 0; v < rv; v++) {
+                qd[v] = qt[v][d];
+                IN_REGISTER(qd[v]);
+            }
 #pragma GCC unroll 4
             for (int b = 0; b < KB; b++) {
                 vf kb = splat(k[b][d]);
 #pragma GCC unroll 3
-                for (int v = 0; v < rv; v++) acc[b][v] += kb * qt[v][d];
+                for (int v = 0; v < rv; v++) acc[b][v] += kb * qd[v];
             }
         }
         for (int b = 0; b < KB; b++)
@@ -141,11 +158,17 @@ static inline __attribute__((always_inline)) void pv_tile(
         for (int e = 0; e < 4; e++)
             for (int v = 0; v < rv; v++) acc[e][v] = ot[v][d + e];
         for (int j = 0; j < nk; j++) {
+            vf pj[RVMAX];
+#pragma GCC unroll 3
+            for (int v = 0; v < rv; v++) {
+                pj[v] = p[j][v];
+                IN_REGISTER(pj[v]);
+            }
 #pragma GCC unroll 4
             for (int e = 0; e < 4; e++) {
                 vf ve = splat(vrow[j][d + e]);
 #pragma GCC unroll 3
-                for (int v = 0; v < rv; v++) acc[e][v] += ve * p[j][v];
+                for (int v = 0; v < rv; v++) acc[e][v] += ve * pj[v];
             }
         }
         for (int e = 0; e < 4; e++)
@@ -182,7 +205,7 @@ static inline __attribute__((always_inline)) void softmax_tile(
         vf sum = splat(0.0f);
         for (int j = 0; j < nk; j++) {
             vf e = vexp(s[j][v] - safe);
-            e = sel(s[j][v] == splat(-INFINITY), splat(0.0f), e);
+            if (masked) e = sel(s[j][v] == splat(-INFINITY), splat(0.0f), e);
             s[j][v] = e;
             sum += e;
         }
