@@ -133,3 +133,29 @@ def test_builds_are_cached_by_source(tmp_path, monkeypatch):
     first = list(tmp_path.glob("attention-*.so"))
     assert build.build_for("attention", "native") is not None
     assert list(tmp_path.glob("attention-*.so")) == first and len(first) == 1
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_several_threads_split_the_rows_and_agree(threads):
+    """With several torch threads the chunk's rows run as ranges on a pool: same result."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for case in [(9, 3, 64, 700, 512, 16, None), (9, 3, 64, 300, 0, 16, 64),
+                     (4, 4, 32, 40, 5, 8, None)]:
+            q, cache, table, ref = _paged_case(*case)
+            out = native_attention.prefill(q, cache, 1, table, case[4], case[6], case[2] ** -0.5)
+            assert (out - ref).abs().max().item() < 4e-6
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_split_rows_cover_the_chunk_with_balanced_work():
+    from splitserve.model.native_attention import _split
+    for length, start, parts in [(512, 0, 2), (512, 1536, 2), (2000, 0, 7), (40, 0, 4), (17, 0, 2)]:
+        ranges = _split(length, start, parts)
+        assert ranges[0][0] == 0 and ranges[-1][1] == length
+        assert all(a < b and b == c for (a, b), (c, _) in zip(ranges, ranges[1:]))
+        work = [sum(start + i + 1 for i in range(a, b)) for a, b in ranges]
+        if length >= 512:
+            assert len(ranges) == parts and max(work) < 1.25 * sum(work) / parts
