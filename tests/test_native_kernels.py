@@ -72,11 +72,68 @@ def test_avx2_build_matches_the_native_build(monkeypatch):
         q, cache, table, ref = _paged_case(*case)
         out = native_attention.prefill(q, cache, 1, table, case[4], case[6], case[2] ** -0.5)
         assert (out - ref).abs().max().item() < 4e-6
+    lib = build.build_for("attention_decode", "haswell")
+    monkeypatch.setattr(native_attention, "_decode_kernel", lambda: native_attention.bind_decode(lib))
+    for case in DECODE_CASES:
+        q, cache, meta, ref = _decode_case(*case)
+        out = native_attention.decode(q, cache, 1, meta.decode_block_table, meta.decode_positions,
+                                      case[5], case[2] ** -0.5)
+        assert (out - ref).abs().max().item() < 4e-6
+
+
+def _decode_case(heads, kv_heads, dim, contexts, block_size, window, seed=0, layers=3):
+    """Decode queries for sequences of the given context lengths (query at the last
+    position), their blocks scattered over a shared paged cache, and the float64 reference."""
+    from splitserve.model.attention import build_metadata
+    g = torch.Generator().manual_seed(seed)
+    per = [(n + block_size - 1) // block_size for n in contexts]
+    cache = torch.randn(sum(per) + 2, layers, 2, block_size, kv_heads, dim, generator=g)
+    perm = torch.randperm(sum(per) + 2, generator=g).numpy()
+    tables = [perm[sum(per[:i]):sum(per[:i + 1])] for i in range(len(contexts))]
+    meta = build_metadata(block_size, [(t, n - 1) for t, n in zip(tables, contexts)], [], window)
+    q = torch.randn(len(contexts), heads + 2 * kv_heads, dim, generator=g)[:, :heads]
+    refs = []
+    for i, (t, n) in enumerate(zip(tables, contexts)):
+        k, v = (cache[torch.from_numpy(t), 1, j].reshape(-1, kv_heads, dim)[:n].transpose(0, 1)
+                for j in (0, 1))
+        allowed = torch.ones(1, n, dtype=torch.bool)
+        if window:
+            allowed[0, :max(0, n - window)] = False
+        refs.append(F.scaled_dot_product_attention(
+            q[i].unsqueeze(1).double(), k.double(), v.double(), attn_mask=allowed,
+            scale=dim ** -0.5, enable_gqa=True).squeeze(1).float())
+    return q, cache, meta, torch.stack(refs)
+
+
+DECODE_CASES = [  # heads, kv_heads, dim, contexts, block_size, window
+    (9, 3, 64, [1, 17, 300, 2000], 16, None),   # SmolLM2's heads; a context of one key
+    (4, 4, 64, [5, 64, 65], 8, None),           # no grouping
+    (14, 2, 64, [100, 33], 16, None),           # 7 heads per KV head: the generic tile
+    (8, 2, 128, [40, 129], 4, None),            # head_dim 128
+    (9, 3, 64, [500, 30, 64], 16, 64),          # sliding window, shorter and longer
+]
+
+
+@pytest.mark.parametrize("case", DECODE_CASES)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_decode_attention_matches_sdpa(case, threads):
+    q, cache, meta, ref = _decode_case(*case)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = native_attention.decode(q, cache, 1, meta.decode_block_table, meta.decode_positions,
+                                      case[5], case[2] ** -0.5)
+    finally:
+        torch.set_num_threads(before)
+    assert out is not None and (out - ref).abs().max().item() < 4e-6
 
 
 def test_unsupported_head_dim_falls_back():
     q, cache, table, _ = _paged_case(2, 1, 260, 20, 0, 4, None)
     assert native_attention.prefill(q, cache, 1, table, 0, None, 0.1) is None
+    q, cache, meta, _ = _decode_case(2, 1, 260, [20], 4, None)
+    assert native_attention.decode(q, cache, 1, meta.decode_block_table, meta.decode_positions,
+                                   None, 0.1) is None
 
 
 def test_engine_output_is_unchanged_without_the_kernel(tiny_source, monkeypatch):
@@ -88,18 +145,22 @@ def test_engine_output_is_unchanged_without_the_kernel(tiny_source, monkeypatch)
 
     def logits(native: bool):
         monkeypatch.setattr(native_attention, "usable", lambda q: native)
+        monkeypatch.setattr(native_attention, "decode_usable", lambda q: native)
         cfg = EngineConfig(model="tiny-random", dtype="float32", seed=0,
                            cache=CacheConfig(4, 64, enable_prefix_caching=False),
                            scheduler=SchedulerConfig(16, 4))
         runner = EngineCore(cfg, tiny_source).runner
         model, kv = runner.model, runner.kv_cache
         ids = torch.randint(3, 1000, (40,), generator=torch.Generator().manual_seed(1))
-        blocks = torch.arange(10).numpy()
+        blocks = torch.arange(11).numpy()
         out = []
         for s in range(0, 40, 16):     # three chunks, the later two over earlier context
             n = min(16, 40 - s)
             meta = build_metadata(4, [], [(blocks, s, n)], None)
             out.append(model.logits(model(ids[s:s + n], torch.arange(s, s + n), kv, meta)))
+        for s in range(40, 44):        # then decodes, one token each
+            meta = build_metadata(4, [(blocks, s)], [], None)
+            out.append(model.logits(model(ids[s - 40:s - 39], torch.tensor([s]), kv, meta)))
         return torch.cat(out)
 
     with_kernel, without = logits(True), logits(False)

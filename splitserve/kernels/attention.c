@@ -15,91 +15,13 @@
  * Key tiles past a unit's last position are never touched; only tiles crossing the
  * diagonal (or the window's edge) are masked.
  *
- * The vector width follows the compiler's target (-march=native): 16 floats with AVX-512,
- * else 8 (AVX2; plain SSE builds still work, through the compiler's generic vectors).
- * exp is a Cephes-style polynomial (max relative error ~2 ulp over the range softmax uses).
+ * vec.h has the vectors (16 floats with AVX-512, else 8) and exp.
  */
-#include <math.h>
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
-#include <stdint.h>
-#include <string.h>
+#include "vec.h"
 
-#if defined(__AVX512F__)
-#define VW 16
-#else
-#define VW 8
-#endif
 #define RVMAX 3          /* query heads per unit: RVMAX * KB accumulators + RVMAX loads fit AVX2's 16 registers */
 #define KB 4             /* keys per register block */
 #define KT 64            /* keys per tile (a multiple of KB) */
-#define DMAX 256         /* largest head_dim handled; larger returns -1 and the caller falls back */
-
-typedef float vf __attribute__((vector_size(VW * 4)));
-typedef float vfu __attribute__((vector_size(VW * 4), aligned(4)));   /* unaligned loads/stores */
-typedef int32_t vi __attribute__((vector_size(VW * 4)));
-
-static inline vf load(const float *p) { return *(const vfu *)p; }
-/* Pins a value to a register: without it the compiler folds a vector reused by several
- * FMAs back into each of them as a memory operand, and the loads, not the FMAs, set the pace. */
-#if defined(__x86_64__)
-#define IN_REGISTER(x) __asm__("" : "+v"(x))
-#else
-#define IN_REGISTER(x) ((void)0)
-#endif
-
-static inline vf splat(float x) {
-#if defined(__AVX512F__)
-    return (vf)_mm512_set1_ps(x);
-#elif defined(__AVX__)
-    return (vf)_mm256_set1_ps(x);
-#else
-    return (vf){0} + x;
-#endif
-}
-/* lane-wise m ? a : b, m from a vector compare (all ones or zero per lane) */
-static inline vf sel(vi m, vf a, vf b) { return (vf)(((vi)a & m) | ((vi)b & ~m)); }
-static inline vf vmax(vf a, vf b) {
-#if defined(__AVX512F__)
-    return (vf)_mm512_max_ps((__m512)a, (__m512)b);
-#elif defined(__AVX__)
-    return (vf)_mm256_max_ps((__m256)a, (__m256)b);
-#else
-    return sel(a > b, a, b);
-#endif
-}
-
-/* exp(x) for x <= 0 (softmax only takes exponents of differences from a running max):
- * 2^n * exp(r) with n = round(x / ln 2), |r| <= ln 2 / 2. Below -87, where 2^n leaves the
- * normal floats, it returns exp(-87) ~ 1.6e-38; callers zero the masked lanes themselves. */
-static inline vf vexp(vf x) {
-    const float magic = 12582912.0f;                  /* 1.5 * 2^23: adding it rounds to an integer */
-    x = vmax(x, splat(-87.0f));
-    vf t = x * 1.44269504088896341f + magic;
-    vf fn = t - magic;
-    vf r = x - fn * 0.693359375f + fn * 2.12194440e-4f;
-    vf r2 = r * r;
-    vf p = 1.9875691500e-4f * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r2 + r + 1.0f;
-    vi n;                                             /* the low bits of t hold n */
-    memcpy(&n, &t, sizeof n);
-    vi bits = (n - 0x4B400000 + 127) << 23;
-    vf scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
-}
-
-typedef struct {
-    const float *cache;          /* this layer's keys; values at cache + v_offset */
-    int64_t block_stride, v_offset, tok_stride;   /* in floats */
-    const int64_t *table;
-    int bs;
-} Paged;
 
 /* rows[j] = the key row of position min(k0 + j, last), head g, for j < nk: tiles are padded
  * to whole register blocks with repeats of the last key, which exist and are masked. One

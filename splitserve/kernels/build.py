@@ -1,7 +1,7 @@
 """Builds the engine's C kernels for this machine, once, and loads them with ctypes.
 
-A kernel source (splitserve/kernels/*.c) is plain C11 with no Python or torch headers, so
-it compiles in about a second. It is built with `-march=native`: the same source gets
+A kernel source (splitserve/kernels/*.c, with the headers beside it) is plain C11 with no
+Python or torch headers, so it compiles in about a second. It is built with `-march=native`: the same source gets
 AVX512 code on a CPU that has it and AVX2 code on one that does not. The shared object is
 cached under SPLITSERVE_KERNEL_CACHE (default ~/.cache/splitserve/kernels), named by a
 digest of the source, the compiler's version, the flags and the CPU's flags, so a changed
@@ -80,7 +80,7 @@ def build_for(name: str, march: str) -> ctypes.CDLL | None:
 
 
 def _build(cc: str, name: str, march: str) -> Path:
-    source = (_SOURCES / f"{name}.c").read_bytes()
+    source = b"".join(p.read_bytes() for p in [_SOURCES / f"{name}.c", *sorted(_SOURCES.glob("*.h"))])
     flags = (*FLAGS, f"-march={march}", f"-mtune={march}")
     digest = hashlib.sha256(b"\0".join([source, _version(cc).encode(), " ".join(flags).encode(),
                                          _cpu_flags().encode()])).hexdigest()[:16]

@@ -64,8 +64,10 @@ class AttentionMetadata:
     num_decodes: int
     decode_block_table: torch.Tensor | None   # (B_d, n_blocks) long
     decode_mask: torch.Tensor | None          # (B_d, 1, 1, n_blocks * block_size) additive
+    decode_positions: torch.Tensor | None     # (B_d,) long
     prefills: list[PrefillChunk]
     scratch: GatherBuffer | None = None       # gathers go here; one layer's at a time
+    sliding_window: int | None = None
 
 
 def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -88,6 +90,7 @@ def build_metadata(block_size: int, decode_seqs, prefill_seqs, sliding_window: i
         offsets.append(pos % block_size)
         decode_table, decode_mask = _decode_tables(block_size, decode_seqs, pos, sliding_window,
                                                    dtype)
+    decode_pos = torch.from_numpy(pos) if decode_seqs else None
     chunks, offset = [], len(decode_seqs)
     for block_ids, start, length in prefill_seqs:
         pos = np.arange(start, start + length)
@@ -98,7 +101,8 @@ def build_metadata(block_size: int, decode_seqs, prefill_seqs, sliding_window: i
         offset += length
     return AttentionMetadata(torch.from_numpy(np.concatenate(blocks)),
                              torch.from_numpy(np.concatenate(offsets)), len(decode_seqs),
-                             decode_table, decode_mask, chunks, scratch)
+                             decode_table, decode_mask, decode_pos, chunks, scratch,
+                             sliding_window)
 
 
 def _visible(query_pos: torch.Tensor, num_keys: int, sliding_window: int | None) -> torch.Tensor:
@@ -152,7 +156,13 @@ def paged_attention(q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor,
     kv_cache[meta.slot_blocks, layer, :, meta.slot_offsets] = kv     # keys and values at once
     nd = meta.num_decodes
     outs = []
-    if nd:
+    o = None
+    if nd and native_attention.decode_usable(q):
+        o = native_attention.decode(q[:nd], kv_cache, layer, meta.decode_block_table,
+                                    meta.decode_positions, meta.sliding_window, scale)
+        if o is not None:
+            outs.append(o)
+    if nd and o is None:
         keys, vals = _gather(kv_cache, layer, meta.decode_block_table, meta.decode_mask.shape[-1],
                              meta.scratch)
         # The query heads sharing a KV head go in as that head's query rows (their mask is the

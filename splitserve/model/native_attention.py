@@ -1,11 +1,14 @@
-"""Prefill attention through the C kernel (splitserve/kernels/attention.c).
+"""Attention through the C kernels: prefill chunks (splitserve/kernels/attention.c) and the
+decode batch (attention_decode.c).
 
-The kernel reads keys and values in place from the paged cache through the block table, so
-a prefill chunk needs neither a gather nor an (L, S) mask. On one core it runs ~2.6x faster
+The kernels read keys and values in place from the paged cache through the block tables,
+so nothing is gathered and no mask tensor is built. Prefill: On one core it runs ~2.6x faster
 than PyTorch's flash SDPA at 2k tokens with AVX-512 and ~1.4x with AVX2 (SmolLM2's 9 query /
-3 KV heads of 64; see docs/benchmarks.md). The kernel itself is single-threaded: an engine
-with several torch threads splits a chunk's queries into that many row ranges of equal
-causal work and runs them on a thread pool (ctypes releases the GIL for the call).
+3 KV heads of 64; see docs/benchmarks.md). Decode reads each sequence's KV once, where
+gather + SDPA moves it three times. The kernels are single-threaded: an engine with several
+torch threads splits a prefill chunk's queries into that many row ranges of equal causal
+work, and a decode batch into groups of sequences, and runs them on a thread pool (ctypes
+releases the GIL for the call).
 """
 
 from __future__ import annotations
@@ -28,11 +31,26 @@ def _kernel():
     return None if lib is None else bind(lib)
 
 
+@functools.cache
+def _decode_kernel():
+    lib = build.load("attention_decode")
+    return None if lib is None else bind_decode(lib)
+
+
 def bind(lib: ctypes.CDLL):
-    """The kernel's entry point in `lib`, typed for ctypes."""
+    """The prefill kernel's entry point in `lib`, typed for ctypes."""
     fn = lib.attn_prefill_f32
     fn.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _PTR, _INT, _INT, _I64,
                    _INT, _INT, _INT, _INT, ctypes.c_float]
+    fn.restype = _INT
+    return fn
+
+
+def bind_decode(lib: ctypes.CDLL):
+    """The decode kernel's entry point in `lib`, typed for ctypes."""
+    fn = lib.attn_decode_f32
+    fn.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _INT,
+                   _INT, _INT, _INT, _INT, _INT, ctypes.c_float]
     fn.restype = _INT
     return fn
 
@@ -45,6 +63,36 @@ def _pool(workers: int) -> ThreadPoolExecutor:
 def usable(q: torch.Tensor) -> bool:
     """Whether prefill chunks of these queries go through the kernel."""
     return q.dtype == torch.float32 and _kernel() is not None
+
+
+def decode_usable(q: torch.Tensor) -> bool:
+    """Whether decode queries like these go through the decode kernel."""
+    return q.dtype == torch.float32 and _decode_kernel() is not None
+
+
+def decode(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, tables: torch.Tensor,
+           positions: torch.Tensor, window: int | None, scale: float) -> torch.Tensor | None:
+    """q (B, H, D), one query per sequence at positions (B,) int64, the sequences' blocks in
+    the rows of tables (B, n) int64 -> (B, H, D), or None for a shape the kernel does not
+    take (the caller gathers and runs SDPA)."""
+    batch, heads, dim = q.shape
+    if q.stride(2) != 1 or q.stride(1) != dim or not kv_cache.is_contiguous():
+        return None
+    assert tables.is_contiguous() and positions.is_contiguous()
+    out = torch.empty(batch, heads, dim, dtype=q.dtype)
+    parts = max(1, min(torch.get_num_threads(), batch))
+    bounds = [batch * k // parts for k in range(parts + 1)]
+
+    def run(a: int, b: int) -> int:
+        return _decode_kernel()(
+            q[a].data_ptr(), q.stride(0), out[a].data_ptr(), heads * dim,
+            kv_cache[:, layer].data_ptr(), kv_cache.stride(0), kv_cache.stride(2),
+            kv_cache.stride(3), tables[a].data_ptr(), tables.stride(0), positions[a].data_ptr(),
+            b - a, kv_cache.shape[3], heads, kv_cache.shape[-2], dim, window or 0, scale)
+
+    rest = [_pool(parts - 1).submit(run, a, b) for a, b in zip(bounds[1:-1], bounds[2:])]
+    codes = [run(bounds[0], bounds[1])] + [f.result() for f in rest]
+    return out if not any(codes) else None
 
 
 def prefill(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, table: torch.Tensor,
