@@ -220,3 +220,25 @@ def test_split_rows_cover_the_chunk_with_balanced_work():
         work = [sum(start + i + 1 for i in range(a, b)) for a, b in ranges]
         if length >= 512:
             assert len(ranges) == parts and max(work) < 1.25 * sum(work) / parts
+
+
+@pytest.mark.parametrize("rows", [1, 3, 17])
+@pytest.mark.parametrize("width", [576, 37])
+def test_fused_elementwise_steps_match_pytorch(rows, width):
+    from splitserve.model import fused
+    from splitserve.model.llama import RMSNorm
+    g = torch.Generator().manual_seed(rows * width)
+    norm = RMSNorm(width, 1e-5)
+    norm.weight.data = torch.randn(width, generator=g)
+    x, delta = torch.randn(rows, width, generator=g), torch.randn(rows, width, generator=g)
+    expected_x = x + delta
+    expected = F.rms_norm(expected_x, (width,), norm.weight, 1e-5)
+    got_x = x.clone()
+    torch.testing.assert_close(fused.add_rms_norm(got_x, delta, norm), expected,
+                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_x, expected_x)                      # updated in place
+    torch.testing.assert_close(fused.add_rms_norm(got_x.clone(), None, norm), expected,
+                               atol=1e-5, rtol=1e-5)
+    gate_up = torch.randn(rows, 2 * width, generator=g) * 30            # silu's tails too
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(fused.silu_mul(gate_up), F.silu(gate) * up, atol=1e-4, rtol=1e-5)

@@ -18,7 +18,8 @@ from splitserve.config import QUANTIZATIONS, CacheConfig, EngineConfig, Schedule
 from splitserve.engine.core import EngineCore
 from splitserve.model.attention import _gather, build_metadata
 from splitserve.model.config import RopeScaling
-from splitserve.model.llama import RMSNorm, Rotary, _rotate_, build_model
+from splitserve.model import fused
+from splitserve.model.llama import RMSNorm, Rotary, build_model
 from splitserve.model.loader import ModelSource
 from splitserve.model.packed import PackedLinear, packing_supported
 from splitserve.model.quant import quantization_supported
@@ -73,8 +74,10 @@ def test_rms_norm_matches_reference(dtype, tol):
         torch.testing.assert_close(norm(x), rms_norm(x, norm.weight, 1e-5), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("native", [True, False])
 @pytest.mark.parametrize("scaling", [None, RopeScaling(8.0, 1.0, 4.0, 64)])
-def test_rope_matches_rotate_half(tiny_source, scaling):
+def test_rope_matches_rotate_half(tiny_source, scaling, native, monkeypatch):
+    monkeypatch.setattr(fused, "_native", lambda x: native and fused._lib() is not None)
     cfg = dataclasses.replace(tiny_source.config, rope_scaling=scaling)
     rotary = Rotary(cfg)
     positions = torch.tensor([0, 1, 5, 99, 4000])
@@ -83,7 +86,7 @@ def test_rope_matches_rotate_half(tiny_source, scaling):
     emb = torch.cat([freqs, freqs], dim=-1).unsqueeze(1)                      # (T, 1, D)
     expected = x * emb.cos() + rotate_half(x) * emb.sin()
     got = x.clone()
-    _rotate_(got, *rotary.cos_sin(positions, torch.float32))
+    fused.rope_(got, *rotary.cos_sin(positions, torch.float32))
     torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
     # and the frequencies are the reference's (to float32 rounding at large positions)
     cos, _ = rope_cos_sin(cfg, positions)

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from splitserve.errors import ModelLoadError
+from splitserve.model import fused
 from splitserve.model.attention import AttentionMetadata, paged_attention
 from splitserve.model.config import ModelConfig
 from splitserve.model.packed import PackedLinear, pack_linears, packing_supported
@@ -50,7 +51,8 @@ class Rotary:
         self.inv_freq = inv_freq.float()
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
-        """-> cos (T, 1, D) and sin with its first half negated (T, 1, D); see _rotate_."""
+        """-> cos (T, 1, D) and sin with its first half negated (T, 1, D): then
+        rotate_half(x) * sin = [x2, x1] * sin (splitserve/model/fused.py: rope_)."""
         freqs = positions.float().unsqueeze(1) * self.inv_freq.unsqueeze(0)    # (T, D/2)
         cos, sin = freqs.cos(), freqs.sin()
         return (torch.cat([cos, cos], dim=-1).unsqueeze(1).to(dtype),
@@ -69,16 +71,6 @@ def _llama3_scale(inv_freq: torch.Tensor, rs) -> torch.Tensor:
     return torch.where(is_mid, mid, scaled)
 
 
-def _rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """In place: x = x * cos + rotate_half(x) * sin for x (T, N, D).
-
-    rotate_half(x) * sin = [-x2, x1] * [sin, sin] = [x2, x1] * [-sin, sin]; swapping the
-    halves is one flip, so the whole rotation is three kernels and no cat."""
-    t, n, d = x.shape
-    swapped = x.view(t, n, 2, d // 2).flip(2).view(t, n, d)
-    x.mul_(cos).addcmul_(swapped, sin)
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int):
         super().__init__()
@@ -93,17 +85,21 @@ class DecoderLayer(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.scale = cfg.head_dim ** -0.5
 
-    def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata):
+    def forward(self, x, delta, cos, sin, kv_cache, meta: AttentionMetadata):
+        """x (T, hidden) the residual stream, updated in place, and delta the previous layer's
+        output still to be added to it (None before the first layer) -> (x, this layer's
+        output). The add is deferred so it fuses with the norm that follows it."""
         cfg = self.cfg
         t, h, kvh = x.shape[0], cfg.num_heads, cfg.num_kv_heads
-        qkv = self.qkv_proj(self.input_layernorm(x)).view(t, h + 2 * kvh, cfg.head_dim)
-        _rotate_(qkv[:, :h + kvh], cos, sin)           # q and k rotated together, in place
+        qkv = self.qkv_proj(fused.add_rms_norm(x, delta, self.input_layernorm))
+        qkv = qkv.view(t, h + 2 * kvh, cfg.head_dim)
+        fused.rope_(qkv[:, :h + kvh], cos, sin)         # q and k rotated together, in place
         # (T, H, D) queries and (T, 2, KVH, D) keys|values, both views of qkv
         q, kv = qkv[:, :h], qkv[:, h:].unflatten(1, (2, kvh))
         attn = paged_attention(q, kv, kv_cache, self.index, meta, self.scale)
-        x = x + self.o_proj(attn.reshape(t, cfg.q_size))
-        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
-        return x + self.down_proj(F.silu(gate) * up)
+        mlp_in = fused.add_rms_norm(x, self.o_proj(attn.reshape(t, cfg.q_size)),
+                                    self.post_attention_layernorm)
+        return x, self.down_proj(fused.silu_mul(self.gate_up_proj(mlp_in)))
 
 
 class LlamaModel(nn.Module):
@@ -122,11 +118,12 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions (T,) -> final hidden states (T, hidden)."""
-        x = self.embed_tokens(input_ids)
+        x = self.embed_tokens(input_ids)                   # (T, hidden), ours to update
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        delta = None
         for layer in self.layers:
-            x = layer(x, cos, sin, kv_cache, meta)
-        return self.norm(x)
+            x, delta = layer(x, delta, cos, sin, kv_cache, meta)
+        return fused.add_rms_norm(x, delta, self.norm)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
