@@ -50,3 +50,9 @@ def kernel_cache() -> str:
     (default ~/.cache/splitserve/kernels)."""
     return os.environ.get("SPLITSERVE_KERNEL_CACHE") or os.path.join(
         os.path.expanduser("~"), ".cache", "splitserve", "kernels")
+
+
+def kernel_march() -> str:
+    """SPLITSERVE_KERNEL_MARCH: the -march the C kernels are built for (default native, this
+    CPU; e.g. haswell gives AVX2 code on an AVX-512 machine, to measure what an AVX2 one gets)."""
+    return os.environ.get("SPLITSERVE_KERNEL_MARCH") or "native"

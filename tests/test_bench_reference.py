@@ -3,7 +3,8 @@ verdicts from `bench serve --compare` rows (the servers themselves are never sta
 vLLM is a 1 GB install that CI does not make)."""
 
 from splitserve.bench.report.config import ReportConfig
-from splitserve.bench.report.reference import REFERENCE, _table, _vs_first, reference, targets
+from splitserve.bench.report.reference import (REFERENCE, _summary, _table, _vs_first, reference,
+                                               targets)
 
 
 def _row(server: str, c: int, tok_s: float, ttft: float, itl: float, itl_p99: float) -> dict:
@@ -22,7 +23,11 @@ def _docs() -> list[dict]:
     return [{"label": "vs-vllm-worker", "what": "worker", "background": 0.2, "rows": worker,
              "workload": {"input_len": 128, "output_len": 64}},
             {"label": "vs-vllm-disagg", "what": "disagg", "background": 0.2, "rows": disagg,
-             "workload": {"input_len": 1900, "output_len": 64}}]
+             "workload": {"input_len": 1900, "output_len": 64}},
+            {"label": "vs-vllm-prefill", "what": "prefill", "background": 0.2,
+             "rows": [_row("splitserve", 1, 0.4, 2640.0, None, None),
+                      _row("vllm", 1, 0.35, 2750.0, None, None)],
+             "workload": {"input_len": 2000, "output_len": 1}}]
 
 
 def test_without_a_vllm_venv_the_section_says_how_to_add_it():
@@ -50,4 +55,11 @@ def test_each_target_gets_a_verdict():
                         "c=1 TTFT p50 <= vLLM's": "**PASS**",
                         "c=8 TTFT p50 <= vLLM's": "FAIL",
                         "ITL p99 <= 1/5 of vLLM's": "**PASS**",
-                        "output tok/s >= 1.0x vLLM's": "FAIL"}
+                        "output tok/s >= 1.0x vLLM's": "FAIL",
+                        "a 2,000-token prompt's TTFT p50 <= vLLM's": "**PASS**"}
+
+
+def test_the_summary_names_the_long_prompt_ratio():
+    summary = _summary(_docs())
+    assert "a 2,000-token prompt takes 0.96x vLLM's TTFT p50" in summary
+    assert "worker at c=8 gives 1.40x vLLM's output tok/s" in summary

@@ -21,6 +21,7 @@ import torch
 import zmq
 
 from splitserve import envs, placement
+from splitserve.kernels import build
 from splitserve.config import EngineConfig
 from splitserve.engine.core import EngineCore
 from splitserve.engine.kv_report import CacheReporter
@@ -74,8 +75,8 @@ def run_engine_core(config: EngineConfig, input_addrs: str | list[str],
     sys.setswitchinterval(SWITCH_INTERVAL)
     bm = engine.block_manager
     dtype = str(engine.runner.kv_cache.dtype).removeprefix("torch.")
-    logger.info("engine: %s, %d torch thread(s) on CPUs %s", dtype, torch.get_num_threads(),
-                placement.format_cpus(tuple(os.sched_getaffinity(0))))
+    logger.info("engine: %s, %d torch thread(s) on CPUs %s, %s", dtype, torch.get_num_threads(),
+                placement.format_cpus(tuple(os.sched_getaffinity(0))), build.status())
     out_q.put(EngineReady(engine.model_config.name, dtype, engine.model_config.vocab_size,
                           engine.max_model_len, bm.num_blocks, bm.block_size,
                           engine.remote_kv.endpoint))

@@ -3,7 +3,8 @@
 A kernel source (splitserve/kernels/*.c, with the headers beside it) is plain C11 with no
 Python or torch headers, so it compiles in about a second. It is built with `-march=native`: the same source gets
 AVX512 code on a CPU that has it and AVX2 code on one that does not. The shared object is
-cached under SPLITSERVE_KERNEL_CACHE (default ~/.cache/splitserve/kernels), named by a
+(SPLITSERVE_KERNEL_MARCH names another target) and cached under SPLITSERVE_KERNEL_CACHE
+(default ~/.cache/splitserve/kernels), named by a
 digest of the source, the compiler's version, the flags and the CPU's flags, so a changed
 source, compiler or machine builds afresh. Concurrent builds (several workers starting at
 once) each write a private file and rename it into place; the last rename wins, and every
@@ -30,6 +31,7 @@ from splitserve import envs
 logger = logging.getLogger(__name__)
 
 _SOURCES = Path(__file__).parent
+KERNELS = ("attention", "attention_decode", "elementwise")
 # -ffp-contract=fast: ISO C mode would otherwise keep every a * b + c as two roundings and
 # two instructions, where the kernels want one FMA.
 FLAGS = ("-O3", "-fPIC", "-shared", "-std=c11", "-ffp-contract=fast", "-fno-math-errno",
@@ -60,7 +62,18 @@ def _version(cc: str) -> str:
 def load(name: str) -> ctypes.CDLL | None:
     """The kernel library `name` (splitserve/kernels/<name>.c) built for this machine, or
     None when it cannot be had (the reason is logged once)."""
-    return build_for(name, "native")
+    return build_for(name, envs.kernel_march())
+
+
+def status() -> str:
+    """What the engine's float32 kernels run as here, for log lines and reports. Builds them
+    all first if need be (about a second each, once per machine), so an engine that asks at
+    start does not build one during its first request."""
+    if not envs.native_kernels():
+        return "PyTorch kernels (SPLITSERVE_NATIVE_KERNELS=0)"
+    if any(load(name) is None for name in KERNELS):
+        return "PyTorch kernels (the C kernels could not be built; see the warning above)"
+    return f"C kernels for -march={envs.kernel_march()}"
 
 
 def build_for(name: str, march: str) -> ctypes.CDLL | None:

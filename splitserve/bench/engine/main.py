@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from splitserve import placement
+from splitserve.kernels import build
 from splitserve.config import CacheConfig, EngineConfig, SchedulerConfig, auto_dtype
 from splitserve.protocol.engine import EngineRequest
 from splitserve.sampling_params import SamplingParams
@@ -144,6 +145,7 @@ def _describe(engine: EngineCore, config: EngineConfig, args) -> dict:
     return {"model": engine.model_config.name, "dtype_requested": args.dtype,
             "dtype": str(config.torch_dtype).removeprefix("torch."),
             "quantization": args.quantization, "packed_weights": engine.runner.model.packed,
+            "kernels": build.status(),
             "threads": args.threads, "cpus": placement.format_cpus(tuple(os.sched_getaffinity(0))),
             **_machine(),
             "prefill_len": args.prefill_len, "decode_prompt_len": args.decode_prompt_len,
@@ -158,7 +160,7 @@ def _headline(r: dict) -> str:
     return (f"{r['model']}: {r['quantization'] or r['dtype']}{layout} weights, dtype {r['dtype_requested']}"
             f" -> {r['dtype']}, {r['torch_threads']} threads on CPUs {r['cpus']}, "
             f"CPU {r['cpu_capability']} "
-            f"({native} bfloat16)")
+            f"({native} bfloat16), {r['kernels']}")
 
 
 def _load_note(other: float | None) -> str:

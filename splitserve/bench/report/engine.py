@@ -23,10 +23,12 @@ def engine(cfg: ReportConfig) -> Section:
     if "--plain-reference" in options:   # what plain PyTorch prefills on this machine today
         configs[1] = ("bfloat16", ["--dtype", "bfloat16", "--plain-reference"])
     rows, cmds, results = [], [], {}
-    for name, args in configs:
+    for name, args in configs + _kernel_configs():
+        env, args = [a for a in args if "=" in a], [a for a in args if "=" not in a]
         path = cfg.result(f"engine-{name}.json")
-        cmds.append(tool("bench", "engine", *cfg.model_args, *args, *_engine_load(cfg, name),
-                         "--json", path))
+        cmds.append([*(["env", *env] if env else []),
+                     *tool("bench", "engine", *cfg.model_args, *args, *_engine_load(cfg, name),
+                           "--json", path)])
         try:
             probe = LoadProbe()
             run_step(cmds[-1], 240 if cfg.quick else 600, cfg.result(f"logs/engine-{name}.log"))
@@ -36,7 +38,9 @@ def engine(cfg: ReportConfig) -> Section:
             continue
         d, ms = r["decode_tok_s"], r["decode_ms_step"]
         layout = ", packed weights" if r.get("packed_weights") else ""
-        rows.append([f"{name} ({r['dtype']} compute{layout}, {r.get('cpu_capability', '?')})",
+        kernels = "C kernels" if r.get("kernels", "").startswith("C") else "PyTorch kernels"
+        rows.append([f"{name} ({r['dtype']} compute{layout}, {r.get('cpu_capability', '?')}, "
+                     f"{kernels})",
                      f"{num(r['prefill_tok_s'])} ({r['prefill_len']} tokens)",
                      *(num(d.get(b)) for b in ("1", "8", "32")),
                      " / ".join(num(ms.get(b), 0) for b in ("1", "8", "32")),
@@ -44,8 +48,11 @@ def engine(cfg: ReportConfig) -> Section:
                      _verdict(d.get("8"), TARGET_DECODE8), num(r["background"])])
     scope = "" if cfg.model is None else " (they are for the bundled model, not this one)"
     body = "\n\n".join([
-        f"Machine: {machine_line()}; PyTorch's CPU kernels run {torch_isa()} (the last word of "
-        "each configuration; ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA lower it). "
+        f"Machine: {machine_line()}; PyTorch's CPU kernels run {torch_isa()} (each "
+        "configuration names its ISA; ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA lower it, and "
+        "SPLITSERVE_KERNEL_MARCH the C kernels' target). float32 attention, RoPE, SiLU-mul and "
+        "the residual norms run as C kernels built for this CPU (splitserve/kernels/); "
+        "float32-pytorch runs them in PyTorch instead. "
         "`splitserve bench engine` times the engine alone, in "
         "one process with torch's default threads (all cores), no HTTP: prefill is one prompt "
         f"at a time; decode tok/s is the batch size over the median step time; {BACKGROUND}.",
@@ -56,6 +63,16 @@ def engine(cfg: ReportConfig) -> Section:
         f"model on this machine: decode at batch 8 ≥ 260 tok/s, prefill ≥ 1,500 tok/s{scope}.",
         _bf16_note(results), _reference_note(results), commands(cmds)])
     return Section(ENGINE, body, _engine_summary(results))
+
+
+def _kernel_configs() -> list[tuple[str, list[str]]]:
+    """float32 again without the C kernels (what they buy), and, on an AVX-512 machine, with
+    PyTorch, oneDNN and the C kernels all held to AVX2 (what an AVX2 machine gets)."""
+    out = [("float32-pytorch", ["SPLITSERVE_NATIVE_KERNELS=0", "--dtype", "float32"])]
+    if torch_isa().startswith("AVX512"):
+        out.append(("float32-avx2", ["ATEN_CPU_CAPABILITY=avx2", "ONEDNN_MAX_CPU_ISA=AVX2",
+                                     "SPLITSERVE_KERNEL_MARCH=haswell", "--dtype", "float32"]))
+    return out
 
 
 def _native_bf16() -> bool:

@@ -28,9 +28,14 @@ RUNS = {
     "disagg": ("`splitserve up` (1 CTX + 1 GEN), defaults",
                {"input-len": 1900, "output-len": 64, "concurrency": 8, "num-requests": 24,
                 "warmup": 2}),
+    # a worker's engine gets one pinned core here, as a CTX worker's does in `up`
+    "prefill": ("one `splitserve serve` worker, defaults, one long prompt at a time",
+                {"input-len": 2000, "output-len": 1, "concurrency": 1, "num-requests": 6,
+                 "warmup": 1}),
 }
 QUICK = {"worker": {"num-requests": 4, "warmup": 1},
-         "disagg": {"input-len": 600, "num-requests": 8, "warmup": 1}}
+         "disagg": {"input-len": 600, "num-requests": 8, "warmup": 1},
+         "prefill": {"input-len": 600, "num-requests": 2}}
 
 
 def reference(cfg: ReportConfig) -> Section:
@@ -73,7 +78,7 @@ def _compare(cfg: ReportConfig, label: str, vllm_url: str, cmds: list) -> dict |
     port = free_port(3)          # `up --port P` puts its CTX on P+1, its GEN on P+2
     url = f"http://127.0.0.1:{port}"
     server = (tool("serve", *cfg.model_args, "--dtype", "float32", "--port", str(port))
-              if label == "worker" else
+              if label != "disagg" else
               tool("up", *cfg.model_args, "--dtype", "float32", "--port", str(port)))
     path = cfg.result(f"vs-vllm-{label}.json")
     bench = bench_serve_cmd(url, f"vs-vllm-{label}", path, "--name", "splitserve",
@@ -131,7 +136,8 @@ TARGETS = (("worker", 8, "output_throughput", 1.3, "c=8 output tok/s >= 1.3x vLL
            ("worker", 1, "ttft_p50_ms", 1.0, "c=1 TTFT p50 <= vLLM's"),
            ("worker", 8, "ttft_p50_ms", 1.0, "c=8 TTFT p50 <= vLLM's"),
            ("disagg", 8, "itl_p99_ms", 0.2, "ITL p99 <= 1/5 of vLLM's"),
-           ("disagg", 8, "output_throughput", 1.0, "output tok/s >= 1.0x vLLM's"))
+           ("disagg", 8, "output_throughput", 1.0, "output tok/s >= 1.0x vLLM's"),
+           ("prefill", 1, "ttft_p50_ms", 1.0, "a 2,000-token prompt's TTFT p50 <= vLLM's"))
 
 
 def targets(docs: list[dict]) -> str:
@@ -151,7 +157,12 @@ def _summary(docs: list[dict]) -> str:
     clauses = []
     for doc in docs:
         for r in _vs_first(doc["rows"]):
-            if r["vs"] is not None and r["concurrency"] == 8:
+            if r["vs"] is None:
+                continue
+            if doc["label"] == "vs-vllm-prefill":
+                clauses.append(f"a {doc['workload']['input_len']:,}-token prompt takes "
+                               f"{num(r['vs']['ttft_p50_ms'], 2)}x vLLM's TTFT p50")
+            elif r["concurrency"] == 8:
                 clauses.append(f"{doc['what'].split(',')[0]} at c=8 gives "
                                f"{num(r['vs']['output_throughput'], 2)}x vLLM's output tok/s "
                                f"at {num(r['vs']['itl_p99_ms'], 2)}x its ITL p99")

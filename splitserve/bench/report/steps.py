@@ -34,6 +34,9 @@ def tool(*args: str) -> list[str]:
 
 def _argv(cmd: list[str]) -> list[str]:
     # The report's own interpreter and checkout, whatever `splitserve` is first on PATH.
+    if cmd[0] == "env":               # `env VAR=value ... splitserve ...`
+        n = next(i for i, a in enumerate(cmd[1:], 1) if "=" not in a)
+        return [*cmd[:n], *_argv(cmd[n:])]
     if cmd[0] != "splitserve":        # another server (reference.py's vLLM), as given
         return cmd
     return [sys.executable, "-m", "splitserve.cli", *cmd[1:]]
