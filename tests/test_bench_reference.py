@@ -59,6 +59,14 @@ def test_each_target_gets_a_verdict():
                         "a 2,000-token prompt's TTFT p50 <= vLLM's": "**PASS**"}
 
 
+def test_the_served_itl_is_held_to_the_engines_own_step():
+    lines = targets(_docs(), 17.0).splitlines()
+    assert lines[-1] == ("| worker | c=1 ITL avg <= 1.25x the engine's own decode step | 1.18 "
+                         "| **PASS** |")
+    assert targets(_docs(), 15.0).splitlines()[-1].endswith("| 1.33 | FAIL |")
+    assert "own decode step" not in targets(_docs(), "failed")
+
+
 def test_the_summary_names_the_long_prompt_ratio():
     summary = _summary(_docs())
     assert "a 2,000-token prompt takes 0.96x vLLM's TTFT p50" in summary

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 
+from splitserve import placement
 from splitserve.bench.report.config import ReportConfig
 from splitserve.bench.report.machine import LoadProbe, torch_isa
 from splitserve.bench.report.markdown import Section, commands, failed, num, table
@@ -61,6 +62,7 @@ def reference(cfg: ReportConfig) -> Section:
             parts += [_compare(cfg, label, vllm_url, cmds) for label in RUNS]
     except STEP_ERRORS as exc:
         parts.append(f"vLLM did not start: {failed(exc)}")
+    step_ms = _engine_step_ms(cfg, cmds)
     docs = [d for d in parts if isinstance(d, dict)]
     body = "\n\n".join([
         f"Both servers on this machine (PyTorch kernels at {torch_isa()}), float32, the bundled "
@@ -68,7 +70,8 @@ def reference(cfg: ReportConfig) -> Section:
         "each (`bench serve --compare`, runs interleaved level by level). vLLM runs as "
         "scripts/vllm_reference.sh starts it. Ratios are splitserve / vLLM: above 1 is faster "
         "for tok/s, below 1 is faster for latencies.",
-        *(_table(d) if isinstance(d, dict) else d for d in parts), targets(docs), commands(cmds)])
+        *(_table(d) if isinstance(d, dict) else d for d in parts), _step_note(step_ms),
+        targets(docs, step_ms), commands(cmds)])
     return Section(REFERENCE, body, _summary(docs))
 
 
@@ -96,6 +99,29 @@ def _compare(cfg: ReportConfig, label: str, vllm_url: str, cmds: list) -> dict |
             return doc
     except STEP_ERRORS as exc:
         return f"{what}: {failed(exc)}"
+
+
+def _engine_step_ms(cfg: ReportConfig, cmds: list) -> float | str:
+    """The engine's own decode step at batch 1 (`bench engine`, float32) with the worker's
+    default placement: what its served c=1 ITL is held to."""
+    plan = placement.plan_worker(placement.usable_cpus())
+    path = cfg.result("vs-vllm-engine-step.json")
+    cmds.append(tool("bench", "engine", "--dtype", "float32", "--threads",
+                     str(plan.engine_threads), "--cpus", placement.format_cpus(plan.engine_cpus),
+                     "--prefill-len", "128", "--repeats", "1", "--decode-steps", "24",
+                     "--decode-prompt-len", "128", "--batch-sizes", "1", "--json", path))
+    try:
+        run_step(cmds[-1], 600, cfg.result("logs/vs-vllm-engine-step.log"))
+        return load_json(path)["decode_ms_step"]["1"]
+    except STEP_ERRORS as exc:
+        return f"The engine's own decode step: {failed(exc)}"
+
+
+def _step_note(step_ms: float | str) -> str:
+    if isinstance(step_ms, str):
+        return step_ms
+    return (f"The engine alone (`bench engine`, float32, the worker's default placement, 128 "
+            f"tokens of context) decodes at batch 1 in {num(step_ms)} ms a step.")
 
 
 def _table(doc: dict) -> str:
@@ -140,7 +166,7 @@ TARGETS = (("worker", 8, "output_throughput", 1.3, "c=8 output tok/s >= 1.3x vLL
            ("prefill", 1, "ttft_p50_ms", 1.0, "a 2,000-token prompt's TTFT p50 <= vLLM's"))
 
 
-def targets(docs: list[dict]) -> str:
+def targets(docs: list[dict], step_ms: float | str | None = None) -> str:
     """The issue's targets against the measured ratios: PASS / FAIL per row."""
     ratios = {(d["label"].removeprefix("vs-vllm-"), r["concurrency"]): r["vs"]
               for d in docs for r in _vs_first(d["rows"]) if r["vs"] is not None}
@@ -150,6 +176,12 @@ def targets(docs: list[dict]) -> str:
         ok = value is not None and (value >= bound if key == "output_throughput"
                                     else value <= bound)
         rows.append([run, what, num(value, 2), "**PASS**" if ok else "FAIL"])
+    itl = next((r["itl_mean_ms"] for d in docs if d["label"] == "vs-vllm-worker"
+                for r in d["rows"] if r["server"] == "splitserve" and r["concurrency"] == 1),
+               None)
+    if isinstance(step_ms, float) and itl:
+        rows.append(["worker", "c=1 ITL avg <= 1.25x the engine's own decode step",
+                     num(itl / step_ms, 2), "**PASS**" if itl <= 1.25 * step_ms else "FAIL"])
     return table(["run", "target", "measured ratio", "verdict"], rows)
 
 
