@@ -1,0 +1,82 @@
+"""Float32 linear layers run by the C tile kernel (splitserve/kernels/gemv.c).
+
+At load time the weight W (N, K) is laid out once in the kernel's tiles (N / NR, K, NR):
+NR output rows interleaved along K, NR being the kernel's two vector registers (32 floats
+with AVX-512, 16 with AVX2). Decode (a few rows of x) then reads every weight once, front
+to back, with no horizontal sums; on SmolLM2's shapes that is 1.05-1.25x faster than
+oneDNN's packed weights at 1-16 rows, and as fast at 512 rows of prefill, so one layout
+and one copy of each weight serve both (numbers in docs/benchmarks.md).
+
+The kernel is single-threaded, so the layout is chosen only when torch runs one thread
+(the engine's default on a small machine); otherwise, or when the kernel cannot be built
+(no compiler, SPLITSERVE_NATIVE_KERNELS=0), NativeLinear.create returns None and the
+caller keeps oneDNN's path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+from torch import nn
+
+from splitserve.kernels.build import load
+
+
+@functools.cache
+def _kernel() -> ctypes.CDLL | None:
+    lib = load("gemv")
+    return None if lib is None else configure(lib)
+
+
+def configure(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Declare gemv.c's functions on `lib` (a build of it) so ctypes converts arguments."""
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.gemv_tile_rows.restype = ctypes.c_int
+    lib.gemv_tile_rows.argtypes = []
+    lib.gemv_pack.restype = None
+    lib.gemv_pack.argtypes = [ptr, ptr, i64, i64]
+    lib.gemv.restype = None
+    lib.gemv.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64]
+    return lib
+
+
+def native_linear_supported(dtype: torch.dtype) -> bool:
+    """Whether a weight of `dtype` would be run by the C kernel here, now."""
+    return dtype == torch.float32 and torch.get_num_threads() == 1 and _kernel() is not None
+
+
+class NativeLinear(nn.Module):
+    """y = x @ W.T + b for x (..., K) float32 -> (..., N), W held only in the kernel's tiles."""
+
+    def __init__(self, lib: ctypes.CDLL, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self._lib = lib
+        w = weight.detach().float().contiguous()
+        self.out_features, self.in_features = n, k = w.shape
+        rows = lib.gemv_tile_rows()
+        self._tiles = torch.empty((n + rows - 1) // rows, k, rows)   # (N / NR, K, NR)
+        lib.gemv_pack(w.data_ptr(), self._tiles.data_ptr(), n, k)
+        self._bias = None if bias is None else bias.detach().float().contiguous()
+
+    @classmethod
+    def create(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> NativeLinear | None:
+        """The native layer for this weight, or None when the C kernel does not apply."""
+        if not native_linear_supported(weight.dtype):
+            return None
+        return cls(_kernel(), weight, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        assert x.dtype == torch.float32, x.dtype
+        k, n = self.in_features, self.out_features
+        x2 = x.reshape(-1, k).contiguous()      # (M, K)
+        y = torch.empty(x2.shape[0], n)         # (M, N)
+        if x2.shape[0]:
+            bias = None if self._bias is None else self._bias.data_ptr()
+            self._lib.gemv(x2.data_ptr(), self._tiles.data_ptr(), bias, y.data_ptr(),
+                           x2.shape[0], n, k)
+        return y.reshape(*x.shape[:-1], n)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, native tiles"
