@@ -39,6 +39,8 @@ def configure(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.gemv_pack.argtypes = [ptr, ptr, i64, i64]
     lib.gemv.restype = None
     lib.gemv.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64]
+    lib.gemv_advise_huge.restype = ctypes.c_int
+    lib.gemv_advise_huge.argtypes = [ptr, i64]
     return lib
 
 
@@ -47,25 +49,66 @@ def native_linear_supported(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 and torch.get_num_threads() == 1 and _kernel() is not None
 
 
+_HUGE_PAGE = 2 << 20      # bytes
+_CHUNK_BYTES = 64 << 20   # a model's weights are carved from chunks this big
+
+
+class TileMemory:
+    """Float32 storage for the tiles of many weights, handed out in order from 2 MB-aligned
+    chunks advised as transparent huge pages (gemv_advise_huge in gemv.c says why). Weights
+    taken one after another lie in the order decode reads them. Only touched pages cost
+    memory: a chunk's unused tail, past its last 2 MB page in use, costs address space."""
+
+    def __init__(self, chunk_bytes: int = _CHUNK_BYTES):
+        self._chunk_numel = chunk_bytes // 4
+        self._chunk, self._used = torch.empty(0), 0
+
+    def take(self, lib: ctypes.CDLL, numel: int) -> torch.Tensor:
+        """(numel,) float32, 64-byte aligned; a request bigger than a chunk gets its own.
+        `lib` is a build of gemv.c."""
+        padded = -(-numel // 16) * 16
+        if self._used + padded > self._chunk.numel():
+            self._chunk = self._new_chunk(lib, max(padded, self._chunk_numel))
+            self._used = 0
+        out = self._chunk[self._used:self._used + numel]
+        self._used += padded
+        return out
+
+    @staticmethod
+    def _new_chunk(lib: ctypes.CDLL, numel: int) -> torch.Tensor:
+        raw = torch.empty(numel + _HUGE_PAGE // 4)
+        start = (-raw.data_ptr()) % _HUGE_PAGE // 4
+        chunk = raw[start:start + numel]
+        whole_pages = numel * 4 // _HUGE_PAGE * _HUGE_PAGE   # a partial last page stays small
+        if whole_pages:
+            lib.gemv_advise_huge(chunk.data_ptr(), whole_pages)
+        return chunk
+
+
 class NativeLinear(nn.Module):
     """y = x @ W.T + b for x (..., K) float32 -> (..., N), W held only in the kernel's tiles."""
 
-    def __init__(self, lib: ctypes.CDLL, weight: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(self, lib: ctypes.CDLL, weight: torch.Tensor, bias: torch.Tensor | None,
+                 memory: TileMemory | None = None):
         super().__init__()
         self._lib = lib
         w = weight.detach().float().contiguous()
         self.out_features, self.in_features = n, k = w.shape
-        rows = lib.gemv_tile_rows()
-        self._tiles = torch.empty((n + rows - 1) // rows, k, rows)   # (N / NR, K, NR)
+        rows, tiles = lib.gemv_tile_rows(), -(-n // lib.gemv_tile_rows())
+        if memory is None:
+            memory = TileMemory(chunk_bytes=0)   # alone: exactly its own size
+        self._tiles = memory.take(lib, tiles * k * rows).view(tiles, k, rows)   # (N / NR, K, NR)
         lib.gemv_pack(w.data_ptr(), self._tiles.data_ptr(), n, k)
         self._bias = None if bias is None else bias.detach().float().contiguous()
 
     @classmethod
-    def create(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> NativeLinear | None:
-        """The native layer for this weight, or None when the C kernel does not apply."""
+    def create(cls, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               memory: TileMemory | None = None) -> NativeLinear | None:
+        """The native layer for this weight (its tiles taken from `memory` if given), or
+        None when the C kernel does not apply."""
         if not native_linear_supported(weight.dtype):
             return None
-        return cls(_kernel(), weight, bias)
+        return cls(_kernel(), weight, bias, memory)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         assert x.dtype == torch.float32, x.dtype

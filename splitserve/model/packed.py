@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from splitserve.model.linear import replace_linears
-from splitserve.model.native_linear import NativeLinear
+from splitserve.model.native_linear import NativeLinear, TileMemory
 
 # oneDNN picks its blocking for an expected row count; decode batches are this small.
 _BATCH_HINT = 8
@@ -54,13 +54,16 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, packed"
 
 
-def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Module:
+def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  memory: TileMemory | None = None) -> nn.Module:
     """The C kernel's layer where it applies (float32, one thread), else a PackedLinear.
     Either holds the one copy of the weight, in its own layout."""
-    native = NativeLinear.create(weight, bias)
+    native = NativeLinear.create(weight, bias, memory)
     return native if native is not None else PackedLinear(weight, bias)
 
 
 def pack_linears(module: nn.Module) -> int:
-    """Replace every nn.Linear under `module` by its packed_linear; returns how many."""
-    return replace_linears(module, packed_linear)
+    """Replace every nn.Linear under `module` by its packed_linear; returns how many. The
+    native ones share a TileMemory: their weights lie in the order the layers run."""
+    memory = TileMemory()
+    return replace_linears(module, lambda weight, bias: packed_linear(weight, bias, memory))
