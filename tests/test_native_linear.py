@@ -15,7 +15,7 @@ from splitserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from splitserve.engine.core import EngineCore
 from splitserve.kernels import build
 from splitserve.model import native_linear
-from splitserve.model.native_linear import NativeLinear
+from splitserve.model.native_linear import NativeLinear, TileMemory
 from splitserve.model.packed import PackedLinear, packed_linear, packing_supported
 from splitserve.sampling_params import SamplingParams
 from splitserve.tokens import PromptTokens
@@ -75,6 +75,19 @@ def test_native_linear_many_rows_and_leading_dims(kernel):
                                atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(NativeLinear(kernel, w, b)(x[:, 5]), F.linear(x[:, 5], w, b),
                                atol=1e-4, rtol=1e-4)   # a strided input
+
+
+def test_layers_sharing_tile_memory_keep_their_own_weights(kernel):
+    """Tiles carved one after another from shared chunks (here 64 KB, so some layers start a
+    chunk and one is bigger than a chunk) must not overlap."""
+    memory, gen = TileMemory(chunk_bytes=64 << 10), torch.Generator().manual_seed(1)
+    weights = [torch.randn(n, k, generator=gen) for n, k in [(33, 17), (64, 96), (300, 64),
+                                                             (7, 5), (96, 64), (40, 200)]]
+    layers = [NativeLinear(kernel, w, None, memory) for w in weights]
+    for w, layer in zip(weights, layers):
+        x = torch.randn(3, w.shape[1], generator=gen)
+        torch.testing.assert_close(layer(x), F.linear(x, w), atol=1e-4, rtol=1e-4)
+        assert layer._tiles.data_ptr() % 64 == 0
 
 
 def test_packed_linear_chooses_native_only_for_float32_on_one_thread(monkeypatch):
