@@ -18,7 +18,7 @@ from splitserve.errors import ModelLoadError
 from splitserve.model import fused
 from splitserve.model.attention import AttentionMetadata, paged_attention
 from splitserve.model.config import ModelConfig
-from splitserve.model.packed import PackedLinear, pack_linears, packing_supported
+from splitserve.model.packed import pack_linears, packed_linear, packing_supported
 from splitserve.model.quant import quantize_linears, quantized_linear
 
 
@@ -143,11 +143,12 @@ class LlamaModel(nn.Module):
 
     def pack(self) -> None:
         """Reorder every float linear weight, the (tied) lm_head included, into oneDNN's
-        blocked layout (splitserve/model/packed.py). A tied lm_head gets its own packed copy:
-        the embedding lookup still reads the plain table."""
+        blocked layout, or float32 ones on one thread into the C kernel's tiles
+        (splitserve/model/packed.py). A tied lm_head gets its own packed copy: the embedding
+        lookup still reads the plain table."""
         pack_linears(self)
         if self.lm_head is None:
-            self.lm_head = PackedLinear(self.embed_tokens.weight)
+            self.lm_head = packed_linear(self.embed_tokens.weight)
         self.packed = True
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -10,6 +10,9 @@ float32 accumulation order.
 
 The packed weight is opaque: it cannot be read back as a tensor, so packing happens after
 the weights are loaded and any (tied) weight still needed elsewhere is kept as it is.
+
+Float32 weights on one torch thread go to the C kernel's own layout instead
+(splitserve/model/native_linear.py), faster still for decode; packed_linear chooses.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch
 from torch import nn
 
 from splitserve.model.linear import replace_linears
+from splitserve.model.native_linear import NativeLinear, TileMemory
 
 # oneDNN picks its blocking for an expected row count; decode batches are this small.
 _BATCH_HINT = 8
@@ -50,6 +54,16 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, packed"
 
 
+def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  memory: TileMemory | None = None) -> nn.Module:
+    """The C kernel's layer where it applies (float32, one thread), else a PackedLinear.
+    Either holds the one copy of the weight, in its own layout."""
+    native = NativeLinear.create(weight, bias, memory)
+    return native if native is not None else PackedLinear(weight, bias)
+
+
 def pack_linears(module: nn.Module) -> int:
-    """Replace every nn.Linear under `module` by a PackedLinear; returns how many."""
-    return replace_linears(module, PackedLinear)
+    """Replace every nn.Linear under `module` by its packed_linear; returns how many. The
+    native ones share a TileMemory: their weights lie in the order the layers run."""
+    memory = TileMemory()
+    return replace_linears(module, lambda weight, bias: packed_linear(weight, bias, memory))
