@@ -39,9 +39,12 @@ def test_report_on_the_tiny_model(tmp_path):
     assert "FAILED" not in page and "failed:" not in page and "missing" not in page
     assert re.search(r"\*\*Summary\.\*\* .*prefills .* tok/s", page)
 
-    for config in ("float32", "bfloat16", "bfloat16-plain", "int8"):   # engine: numbers each
+    for config in ("float32", "bfloat16", "bfloat16-plain", "int8", "float32-worker",
+                   "float32-worker-pytorch"):                        # engine: numbers each
         assert re.search(rf"^\| {config} \(\w+ compute[\w ,]*\) \| {NUMBER} \(\d+ tokens\) \| {NUMBER} "
                          rf"\| {NUMBER} \|", page, re.M), config
+    assert re.search(r"C kernels against the same engine in PyTorch .* as throughput ratios: "
+                     rf"at \w+, prefill {NUMBER}×", page)
     for c in (1, 16, 64):                                 # one worker: every request succeeded
         assert re.search(rf"^\| {c} \| (\d+) / 0 \| {NUMBER} \| {NUMBER} \| {NUMBER} / ", page,
                          re.M), c
