@@ -13,3 +13,15 @@ def add_request(engine, request_id, prompt, params, *, context_only=False, remot
                             stream, 0 if resumed is None else len(resumed),
                             prompt_back=prompt_back)
     engine.add_request(request, prompt, resumed, received_time)
+
+
+def greedy_tokens(engine, prompts, params) -> list[list[int]]:
+    """Runs each prompt (a token array) to the end; each one's generated token ids."""
+    from splitserve.tokens import PromptTokens
+    for i, p in enumerate(prompts):
+        add_request(engine, str(i), PromptTokens(p), params)
+    tokens = {str(i): [] for i in range(len(prompts))}
+    while engine.has_unfinished_requests():
+        for delta in engine.step():
+            tokens[delta.request_id] += delta.token_ids
+    return [tokens[str(i)] for i in range(len(prompts))]

@@ -18,8 +18,7 @@ from splitserve.model import native_linear
 from splitserve.model.native_linear import NativeLinear, TileMemory
 from splitserve.model.packed import PackedLinear, packed_linear, packing_supported
 from splitserve.sampling_params import SamplingParams
-from splitserve.tokens import PromptTokens
-from engine_requests import add_request
+from engine_requests import greedy_tokens
 
 # SmolLM2-135M's qkv, o, gate_up and down; then tails: fewer rows than one tile, rows not a
 # multiple of a tile, odd K.
@@ -125,14 +124,8 @@ def _greedy(source, model: str, prompts, native: bool) -> list[list[int]]:
                         source)
     lm_head = engine.runner.model.lm_head
     assert isinstance(lm_head, NativeLinear if native else PackedLinear)
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        add_request(engine, str(i), PromptTokens(p), params)
-    tokens = {str(i): [] for i in range(len(prompts))}
-    while engine.has_unfinished_requests():
-        for delta in engine.step():
-            tokens[delta.request_id] += delta.token_ids
-    return [tokens[str(i)] for i in range(len(prompts))]
+    return greedy_tokens(engine, prompts,
+                         SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
 
 
 def _greedy_native_and_off(source, model, monkeypatch):

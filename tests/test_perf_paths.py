@@ -26,7 +26,7 @@ from splitserve.model.packed import PackedLinear, packing_supported
 from splitserve.model.quant import quantization_supported
 from splitserve.sampling_params import SamplingParams
 from splitserve.tokens import PromptTokens
-from engine_requests import add_request
+from engine_requests import add_request, greedy_tokens
 
 QUANTS = [pytest.param(q, marks=pytest.mark.skipif(not quantization_supported(q),
                                                    reason="no FBGEMM in this torch"))
@@ -235,10 +235,4 @@ def _greedy(source, quant, prompts, params, budget=64, pack=True) -> list[list[i
     assert model.quantization == quant
     assert model.packed == (pack and quant is None)
     assert isinstance(model.lm_head, PACKED) == model.packed
-    for i, p in enumerate(prompts):
-        add_request(engine, str(i), PromptTokens(p), params)
-    tokens = {str(i): [] for i in range(len(prompts))}
-    while engine.has_unfinished_requests():
-        for delta in engine.step():
-            tokens[delta.request_id] += delta.token_ids
-    return [tokens[str(i)] for i in range(len(prompts))]
+    return greedy_tokens(engine, prompts, params)
