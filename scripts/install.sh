@@ -27,3 +27,7 @@ if [ -n "${extras}" ]; then
   pip_install nixl==1.5.1 || echo "warning: could not install nixl; the nixl KV backend" \
     "and its tests are unavailable (retry: $PY -m pip install nixl==1.5.1)" >&2
 fi
+# The engine's C kernels, built once for this CPU (splitserve/kernels/build.py), so the
+# first worker does not build them while starting. Without a C compiler it says so and the
+# engine runs those steps in PyTorch.
+"$PY" -c "from splitserve.kernels import build; print('splitserve engine kernels:', build.status())"
