@@ -39,7 +39,8 @@ def engine(cfg: ReportConfig) -> Section:
             continue
         d, ms = r["decode_tok_s"], r["decode_ms_step"]
         layout = ", packed weights" if r.get("packed_weights") else ""
-        kernels = "C kernels" if r.get("kernels", "").startswith("C") else "PyTorch kernels"
+        native = r.get("kernels", "").startswith("C") and r["dtype"] == "float32"
+        kernels = "C kernels" if native else "PyTorch kernels"      # they are float32 only
         rows.append([f"{name} ({r['dtype']} compute{layout}, {r.get('cpu_capability', '?')}, "
                      f"{kernels})",
                      f"{num(r['prefill_tok_s'])} ({r['prefill_len']} tokens)",
