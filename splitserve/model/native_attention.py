@@ -90,9 +90,7 @@ def decode(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, tables: torch.Te
             kv_cache.stride(3), tables[a].data_ptr(), tables.stride(0), positions[a].data_ptr(),
             b - a, kv_cache.shape[3], heads, kv_cache.shape[-2], dim, window or 0, scale)
 
-    rest = [_pool(parts - 1).submit(run, a, b) for a, b in zip(bounds[1:-1], bounds[2:])]
-    codes = [run(bounds[0], bounds[1])] + [f.result() for f in rest]
-    return out if not any(codes) else None
+    return out if _all_ran(run, list(zip(bounds, bounds[1:]))) else None
 
 
 def prefill(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, table: torch.Tensor,
@@ -109,16 +107,20 @@ def prefill(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, table: torch.Te
     out = torch.empty(length, heads, dim, dtype=q.dtype)
     ranges = _split(length, start, torch.get_num_threads())
 
-    def run(rows: tuple[int, int]) -> int:
-        a, b = rows
+    def run(a: int, b: int) -> int:
         return _kernel()(q[a].data_ptr(), q.stride(0), out[a].data_ptr(), heads * dim,
                          kv_cache[:, layer].data_ptr(), kv_cache.stride(0), kv_cache.stride(2),
                          kv_cache.stride(3), table.data_ptr(), kv_cache.shape[3], b - a,
                          start + a, heads, kv_cache.shape[-2], dim, window or 0, scale)
 
-    rest = [_pool(len(ranges) - 1).submit(run, r) for r in ranges[1:]] if len(ranges) > 1 else []
-    codes = [run(ranges[0])] + [f.result() for f in rest]
-    return out if not any(codes) else None
+    return out if _all_ran(run, ranges) else None
+
+
+def _all_ran(run, ranges: list[tuple[int, int]]) -> bool:
+    """run(a, b) for every range, the first on this thread and the rest on the pool; whether
+    each returned 0 (the kernel took the shape)."""
+    rest = [_pool(len(ranges) - 1).submit(run, a, b) for a, b in ranges[1:]]
+    return not any([run(*ranges[0])] + [f.result() for f in rest])
 
 
 def _split(length: int, start: int, parts: int) -> list[tuple[int, int]]:
