@@ -130,17 +130,21 @@ def _place_worker(args):
                                  cpus, args.frontend_cpus)
     placement.pin_process(plan.frontend_cpus, "front-end")
     os.environ[envs.ENGINE_CPUS] = placement.format_cpus(plan.engine_cpus)
+    if envs.ENGINE_HELPER_CPU not in os.environ and plan.helper_cpu is not None:
+        os.environ[envs.ENGINE_HELPER_CPU] = str(plan.helper_cpu)
     return plan
 
 
 def _serve(args) -> int:
+    from splitserve import envs
     from splitserve.server.app import serve
     plan = _place_worker(args)
     config = server_config(args, plan.engine_threads)
     # The resolved dtype is logged once the engine is ready ("serving <model> (<dtype>)"):
     # resolving auto needs torch, which only the engine process loads.
     logging.getLogger(__name__).info("%s:%d: %s", args.role, args.port,
-                                     plan.describe(config.api_server_count))
+                                     plan.describe(config.api_server_count,
+                                                   envs.engine_helper_cpu() is not None))
     serve(config)
     return 0
 

@@ -27,6 +27,17 @@ def engine_cpus() -> str | None:
     return os.environ.get(ENGINE_CPUS) or None
 
 
+ENGINE_HELPER_CPU = "SPLITSERVE_ENGINE_HELPER_CPU"
+
+
+def engine_helper_cpu() -> int | None:
+    """SPLITSERVE_ENGINE_HELPER_CPU: the CPU whose idle time a one-thread engine's C kernels
+    borrow for prefill (splitserve/model/native_pool.py). `serve` sets it to its front-end's
+    CPU when that is not one of the engine's; `none` turns the helper off."""
+    value = os.environ.get(ENGINE_HELPER_CPU, "").strip().lower()
+    return None if value in ("", "none") else int(value)
+
+
 def api_key() -> str | None:
     """SPLITSERVE_API_KEY: the key public endpoints require (`Authorization: Bearer`) when
     no --api-key is given."""

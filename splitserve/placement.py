@@ -26,11 +26,21 @@ class WorkerPlan:
     engine_threads: int
     frontend_cpus: tuple[int, ...]
 
-    def describe(self, frontends: int = 1) -> str:
-        """frontends: front-end processes, which share the front-end CPUs."""
+    @property
+    def helper_cpu(self) -> int | None:
+        """A one-thread engine's prefill borrows the idle time of the front-end's first CPU
+        that is not the engine's (splitserve/model/native_pool.py)."""
+        spare = [c for c in self.frontend_cpus if c not in self.engine_cpus]
+        return spare[0] if spare and self.engine_threads == 1 else None
+
+    def describe(self, frontends: int = 1, helper: bool = True) -> str:
+        """frontends: front-end processes, which share the front-end CPUs; helper: whether
+        the engine borrows helper_cpu's idle time."""
         who = "front-end" if frontends == 1 else f"{frontends} front-ends (shared)"
-        return (f"engine {self.engine_threads} thread(s) on CPUs {format_cpus(self.engine_cpus)}, "
-                f"{who} on CPUs {format_cpus(self.frontend_cpus)}")
+        lent = (f" (and CPU {self.helper_cpu}'s idle time for prefill)"
+                if helper and self.helper_cpu is not None else "")
+        return (f"engine {self.engine_threads} thread(s) on CPUs {format_cpus(self.engine_cpus)}"
+                f"{lent}, {who} on CPUs {format_cpus(self.frontend_cpus)}")
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ with every section, numbers in its tables, its plots on disk, and no server left
 import os
 import re
 
+from splitserve import placement
 from splitserve.bench.report import main as report
 from splitserve.cli import main
 
@@ -39,12 +40,17 @@ def test_report_on_the_tiny_model(tmp_path):
     assert "FAILED" not in page and "failed:" not in page and "missing" not in page
     assert re.search(r"\*\*Summary\.\*\* .*prefills .* tok/s", page)
 
+    helper = placement.plan_worker(placement.usable_cpus()).helper_cpu is not None
     for config in ("float32", "bfloat16", "bfloat16-plain", "int8", "float32-worker",
-                   "float32-worker-pytorch"):                        # engine: numbers each
-        assert re.search(rf"^\| {config} \(\w+ compute[\w ,]*\) \| {NUMBER} \(\d+ tokens\) \| {NUMBER} "
+                   "float32-worker-pytorch",
+                   *(["float32-worker-no-helper"] if helper else [])):   # engine: numbers each
+        assert re.search(rf"^\| {config} \(\w+ compute[\w ,+]*\) \| {NUMBER} \(\d+ tokens\) \| {NUMBER} "
                          rf"\| {NUMBER} \|", page, re.M), config
     assert re.search(r"C kernels against the same engine in PyTorch .* as throughput ratios: "
                      rf"at \w+, prefill {NUMBER}×", page)
+    if helper:
+        assert re.search(rf"on the engine's CPU alone: prefill {NUMBER}×, decode b=1 {NUMBER}×",
+                         page)
     for c in (1, 16, 64):                                 # one worker: every request succeeded
         assert re.search(rf"^\| {c} \| (\d+) / 0 \| {NUMBER} \| {NUMBER} \| {NUMBER} / ", page,
                          re.M), c

@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -89,15 +90,33 @@ def test_pin_process_names_cpus_it_cannot_use():
         pin_process((100000,), "front-end")
 
 
-def _affinity(pid: int) -> set[tuple[int, ...]]:
-    """The CPUs each thread of a process may run on."""
-    out = set()
+def _threads(pid: int) -> dict[int, str]:
+    """tid -> name of each thread of a process."""
+    out = {}
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
-            out.add(tuple(sorted(os.sched_getaffinity(int(tid)))))
+            out[int(tid)] = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+        except FileNotFoundError:
+            pass
+    return out
+
+
+def _affinity(pid: int) -> set[tuple[int, ...]]:
+    """The CPUs each thread of a process may run on, but the kernels' helper's."""
+    out = set()
+    for tid, name in _threads(pid).items():
+        try:
+            if name != "kernel-helper":
+                out.add(tuple(sorted(os.sched_getaffinity(tid))))
         except ProcessLookupError:
             pass
     return out
+
+
+def _helpers(pid: int) -> list[tuple[tuple[int, ...], int]]:
+    """(CPUs, scheduling policy) of each kernels' helper thread of a process."""
+    return [(tuple(sorted(os.sched_getaffinity(tid))), os.sched_getscheduler(tid))
+            for tid, name in _threads(pid).items() if name == "kernel-helper"]
 
 
 class _Serve(ServerProcess):
@@ -143,6 +162,12 @@ def _check_placed(server: _Serve, plan: WorkerPlan, dtype: str) -> None:
     assert threads, log
     assert threads.groups()[:3] == (dtype, str(plan.engine_threads),
                                     format_cpus(plan.engine_cpus))
+    helper = plan.helper_cpu if dtype == "float32" and "C kernels" in threads.group(4) else None
+    if helper is None:
+        assert not _helpers(engine) and "idle time" not in log
+    else:   # prefill borrows the front-end's CPU, only when nothing else wants it
+        assert _helpers(engine) == [((helper,), os.SCHED_IDLE)]
+        assert f"prefill borrows CPU {helper}'s idle time" in log
 
 
 def test_serve_places_engine_and_front_end_by_default(tmp_path):

@@ -22,6 +22,7 @@ import zmq
 
 from splitserve import envs, placement
 from splitserve.kernels import build
+from splitserve.model import native_pool
 from splitserve.config import EngineConfig
 from splitserve.engine.core import EngineCore
 from splitserve.engine.kv_report import CacheReporter
@@ -75,8 +76,9 @@ def run_engine_core(config: EngineConfig, input_addrs: str | list[str],
     sys.setswitchinterval(SWITCH_INTERVAL)
     bm = engine.block_manager
     dtype = str(engine.runner.kv_cache.dtype).removeprefix("torch.")
-    logger.info("engine: %s, %d torch thread(s) on CPUs %s, %s", dtype, torch.get_num_threads(),
-                placement.format_cpus(tuple(os.sched_getaffinity(0))), build.status())
+    logger.info("engine: %s, %d torch thread(s) on CPUs %s, %s%s", dtype, torch.get_num_threads(),
+                placement.format_cpus(tuple(os.sched_getaffinity(0))), build.status(),
+                _start_helper(engine.runner.kv_cache.dtype))
     out_q.put(EngineReady(engine.model_config.name, dtype, engine.model_config.vocab_size,
                           engine.max_model_len, bm.num_blocks, bm.block_size,
                           engine.remote_kv.endpoint))
@@ -91,6 +93,15 @@ def run_engine_core(config: EngineConfig, input_addrs: str | list[str],
 
 
 _WAKE = object()
+
+
+def _start_helper(dtype: torch.dtype) -> str:
+    """Starts the C kernels' helper thread on SPLITSERVE_ENGINE_HELPER_CPU when this engine
+    runs them (float32) on one torch thread (native_pool.py); what the start line says."""
+    cpu = envs.engine_helper_cpu()
+    if cpu is None or dtype != torch.float32 or torch.get_num_threads() != 1:
+        return ""
+    return f", prefill borrows CPU {cpu}'s idle time" if native_pool.start(cpu) else ""
 
 
 def _pin() -> None:

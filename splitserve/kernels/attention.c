@@ -17,6 +17,7 @@
  *
  * vec.h has the vectors (16 floats with AVX-512, else 8) and exp.
  */
+#include "pool.h"
 #include "vec.h"
 
 #define RVMAX 3          /* query heads per unit: RVMAX * KB accumulators + RVMAX loads fit AVX2's 16 registers */
@@ -185,6 +186,85 @@ UNIT(1)
 UNIT(2)
 UNIT(3)
 
+struct prefill_args {
+    const float *q;
+    int64_t q_stride;
+    float *out;
+    int64_t out_stride;
+    Paged kv;
+    int L, H, KVH, D, window, blocks;
+    int64_t start;
+    float scale;
+};
+
+/* Units [u0, u1) of a chunk: unit u is KV head u % KVH of the block of VW queries
+ * blocks - 1 - u / KVH, so the blocks with the most keys (the last) are handed out first
+ * and the cheap ones even out the end. */
+static void prefill_units(const void *ctx, int64_t u0, int64_t u1)
+{
+    const struct prefill_args *a = ctx;
+    int G = a->H / a->KVH;
+    for (int64_t u = u0; u < u1; u++) {
+        int i0 = (a->blocks - 1 - (int)(u / a->KVH)) * VW, g = (int)(u % a->KVH);
+        int n = a->L - i0 < VW ? a->L - i0 : VW;
+        for (int h0 = g * G; h0 < (g + 1) * G; h0 += RVMAX) {
+            int rv = (g + 1) * G - h0 < RVMAX ? (g + 1) * G - h0 : RVMAX;
+            if (rv == 3) unit3(a->q, a->q_stride, a->out, a->out_stride, &a->kv, g, h0, i0, n, a->start, a->D, a->window, a->scale);
+            else if (rv == 2) unit2(a->q, a->q_stride, a->out, a->out_stride, &a->kv, g, h0, i0, n, a->start, a->D, a->window, a->scale);
+            else unit1(a->q, a->q_stride, a->out, a->out_stride, &a->kv, g, h0, i0, n, a->start, a->D, a->window, a->scale);
+        }
+    }
+}
+
+/* The helper's units, from its staging copy of out into the caller's. */
+static void prefill_copy(const void *ctx, const void *helper_ctx, int64_t u0, int64_t u1)
+{
+    const struct prefill_args *a = ctx, *h = helper_ctx;
+    int G = a->H / a->KVH;
+    for (int64_t u = u0; u < u1; u++) {
+        int i0 = (a->blocks - 1 - (int)(u / a->KVH)) * VW, g = (int)(u % a->KVH);
+        int n = a->L - i0 < VW ? a->L - i0 : VW;
+        for (int i = i0; i < i0 + n; i++)
+            memcpy(a->out + i * a->out_stride + g * G * a->D,
+                   h->out + i * h->out_stride + g * G * a->D, (size_t)(G * a->D) * sizeof(float));
+    }
+}
+
+/* attn_prefill_f32 with its units shared with pool.c's helper thread (pool NULL: alone).
+ * The helper reads a staging copy of q and of the table and writes a staging out. */
+int attn_prefill_shared(const struct pool_api *pool, const float *q, int64_t q_stride,
+                        float *out, int64_t out_stride, const float *cache,
+                        int64_t block_stride, int64_t v_offset, int64_t tok_stride,
+                        const int64_t *table, int bs, int L, int64_t start, int H, int KVH,
+                        int D, int window, float scale) {
+    if (D > DMAX || D % 4 || KVH <= 0 || H % KVH || L <= 0 || bs <= 0) return -1;
+    struct prefill_args a = {q, q_stride, out, out_stride,
+                             {cache, block_stride, v_offset, tok_stride, table, bs},
+                             L, H, KVH, D, window, (L + VW - 1) / VW, start, scale};
+    int64_t units = (int64_t)a.blocks * KVH, row = (int64_t)H * D;
+    int64_t blocks_used = (start + L + bs - 1) / bs;
+    size_t q_bytes = (size_t)(L * row) * sizeof(float);
+    void *in, *staged_out;
+    if (!pool || pool->stage(q_bytes + (size_t)blocks_used * sizeof(int64_t),
+                             (size_t)(L * row) * sizeof(float), &in, &staged_out)) {
+        prefill_units(&a, 0, units);
+        return 0;
+    }
+    struct prefill_args h = a;
+    float *hq = in;
+    for (int i = 0; i < L; i++)
+        memcpy(hq + i * row, q + i * q_stride, (size_t)row * sizeof(float));
+    int64_t *htable = (int64_t *)((char *)in + q_bytes);
+    memcpy(htable, table, (size_t)blocks_used * sizeof(int64_t));
+    h.q = hq;
+    h.q_stride = row;
+    h.out = staged_out;
+    h.out_stride = row;
+    h.kv.table = htable;
+    pool->run(prefill_units, &a, &h, sizeof h, units, 1, prefill_copy);
+    return 0;
+}
+
 /* out[t][h][:] = attention of query q[t][h][:] (t < L, at position start + t) over keys and
  * values 0 .. start + t of KV head h / (H / KVH). The key of position p, KV head g, is at
  * cache + table[p / bs] * block_stride + (p % bs) * tok_stride + g * D, its value v_offset
@@ -194,18 +274,6 @@ int attn_prefill_f32(const float *q, int64_t q_stride, float *out, int64_t out_s
                      const float *cache, int64_t block_stride, int64_t v_offset,
                      int64_t tok_stride, const int64_t *table, int bs, int L, int64_t start,
                      int H, int KVH, int D, int window, float scale) {
-    if (D > DMAX || D % 4 || KVH <= 0 || H % KVH || L <= 0 || bs <= 0) return -1;
-    Paged kv = {cache, block_stride, v_offset, tok_stride, table, bs};
-    int G = H / KVH;
-    for (int i0 = 0; i0 < L; i0 += VW) {
-        int n = L - i0 < VW ? L - i0 : VW;
-        for (int g = 0; g < KVH; g++)
-            for (int h0 = g * G; h0 < (g + 1) * G; h0 += RVMAX) {
-                int rv = (g + 1) * G - h0 < RVMAX ? (g + 1) * G - h0 : RVMAX;
-                if (rv == 3) unit3(q, q_stride, out, out_stride, &kv, g, h0, i0, n, start, D, window, scale);
-                else if (rv == 2) unit2(q, q_stride, out, out_stride, &kv, g, h0, i0, n, start, D, window, scale);
-                else unit1(q, q_stride, out, out_stride, &kv, g, h0, i0, n, start, D, window, scale);
-            }
-    }
-    return 0;
+    return attn_prefill_shared(0, q, q_stride, out, out_stride, cache, block_stride, v_offset,
+                               tok_stride, table, bs, L, start, H, KVH, D, window, scale);
 }

@@ -31,7 +31,7 @@ from splitserve import envs
 logger = logging.getLogger(__name__)
 
 _SOURCES = Path(__file__).parent
-KERNELS = ("attention", "attention_decode", "elementwise", "gemv")
+KERNELS = ("attention", "attention_decode", "elementwise", "gemv", "pool")
 # -ffp-contract=fast: ISO C mode would otherwise keep every a * b + c as two roundings and
 # two instructions, where the kernels want one FMA.
 FLAGS = ("-O3", "-fPIC", "-shared", "-std=c11", "-ffp-contract=fast", "-fno-math-errno",

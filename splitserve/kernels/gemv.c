@@ -22,6 +22,8 @@
 #include <string.h>
 #include <sys/mman.h>
 
+#include "pool.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define VW 16
@@ -150,19 +152,58 @@ static void tile_rows(int mr, const float *x, const float *tile, const float *bi
     store_rows(mr, acc, bias, y, n, cols);
 }
 
+struct gemv_args {
+    const float *x, *wp, *bias;
+    float *y;
+    int64_t m, n, k;
+};
+
+/* Tiles [t0, t1) of W: columns [t0 * NR, t1 * NR) of y, for every row of x. */
+static void gemv_tiles(const void *ctx, int64_t t0, int64_t t1)
+{
+    const struct gemv_args *a = ctx;
+    int64_t m = a->m, n = a->n, k = a->k;
+    for (int64_t t = t0; t < t1; t++) {
+        const float *tile = a->wp + t * k * NR;
+        int64_t col = t * NR, cols = n - col < NR ? n - col : NR;
+        const float *b = a->bias ? a->bias + col : 0;
+        for (int64_t r = 0; r < m; r += MR_MAX) {
+            int mr = (int)(m - r < MR_MAX ? m - r : MR_MAX);
+            tile_rows(mr, a->x + r * k, tile, b, a->y + r * n + col, n, k, cols);
+        }
+    }
+}
+
 /* y (m, n) = x (m, k) @ W^T + bias (n,) or none (NULL); wp is gemv_pack's layout of W.
  * x and y are row-major and contiguous. */
 void gemv(const float *x, const float *wp, const float *bias, float *y,
           int64_t m, int64_t n, int64_t k)
 {
-    int64_t tiles = (n + NR - 1) / NR;
-    for (int64_t t = 0; t < tiles; t++) {
-        const float *tile = wp + t * k * NR;
-        int64_t col = t * NR, cols = n - col < NR ? n - col : NR;
-        const float *b = bias ? bias + col : 0;
-        for (int64_t r = 0; r < m; r += MR_MAX) {
-            int mr = (int)(m - r < MR_MAX ? m - r : MR_MAX);
-            tile_rows(mr, x + r * k, tile, b, y + r * n + col, n, k, cols);
-        }
+    struct gemv_args a = {x, wp, bias, y, m, n, k};
+    gemv_tiles(&a, 0, (n + NR - 1) / NR);
+}
+
+/* The helper's columns [t0 * NR, t1 * NR) of y, from its staging copy into the caller's. */
+static void gemv_copy(const void *ctx, const void *helper_ctx, int64_t t0, int64_t t1)
+{
+    const struct gemv_args *a = ctx, *h = helper_ctx;
+    int64_t col = t0 * NR, end = t1 * NR < a->n ? t1 * NR : a->n;
+    for (int64_t r = 0; r < a->m; r++)
+        memcpy(a->y + r * a->n + col, h->y + r * a->n + col, (size_t)(end - col) * sizeof(float));
+}
+
+/* gemv, its tiles shared `grain` at a time with pool.c's helper thread. */
+void gemv_shared(const struct pool_api *pool, const float *x, const float *wp,
+                 const float *bias, float *y, int64_t m, int64_t n, int64_t k, int64_t grain)
+{
+    struct gemv_args a = {x, wp, bias, y, m, n, k}, h = a;
+    void *in, *out;
+    if (pool->stage((size_t)(m * k) * sizeof(float), (size_t)(m * n) * sizeof(float), &in, &out)) {
+        gemv_tiles(&a, 0, (n + NR - 1) / NR);
+        return;
     }
+    memcpy(in, x, (size_t)(m * k) * sizeof(float));
+    h.x = in;
+    h.y = out;
+    pool->run(gemv_tiles, &a, &h, sizeof h, (n + NR - 1) / NR, grain, gemv_copy);
 }

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from typing import NamedTuple
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from splitserve.kernels import build
+from splitserve.model import native_pool
 
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 _ROWS = 16                  # split chunks at multiples of the kernel's widest vector
@@ -37,13 +39,21 @@ def _decode_kernel():
     return None if lib is None else bind_decode(lib)
 
 
-def bind(lib: ctypes.CDLL):
-    """The prefill kernel's entry point in `lib`, typed for ctypes."""
-    fn = lib.attn_prefill_f32
-    fn.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _PTR, _INT, _INT, _I64,
-                   _INT, _INT, _INT, _INT, ctypes.c_float]
-    fn.restype = _INT
-    return fn
+_PREFILL_ARGS = [_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _PTR, _INT, _INT, _I64,
+                 _INT, _INT, _INT, _INT, ctypes.c_float]
+
+
+class Prefill(NamedTuple):
+    alone: ctypes._CFuncPtr     # attn_prefill_f32: on the calling thread
+    shared: ctypes._CFuncPtr    # attn_prefill_shared: its units shared by pool.c's pool_run
+
+
+def bind(lib: ctypes.CDLL) -> Prefill:
+    """The prefill kernel's entry points in `lib`, typed for ctypes."""
+    lib.attn_prefill_f32.argtypes = _PREFILL_ARGS
+    lib.attn_prefill_shared.argtypes = [_PTR, *_PREFILL_ARGS]
+    lib.attn_prefill_f32.restype = lib.attn_prefill_shared.restype = _INT
+    return Prefill(lib.attn_prefill_f32, lib.attn_prefill_shared)
 
 
 def bind_decode(lib: ctypes.CDLL):
@@ -105,10 +115,17 @@ def prefill(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, table: torch.Te
     table = table.reshape(-1)
     assert table.dtype == torch.int64 and table.is_contiguous()
     out = torch.empty(length, heads, dim, dtype=q.dtype)
+    shared = native_pool.runner()
+    if shared is not None and torch.get_num_threads() == 1:
+        return out if not _kernel().shared(
+            shared, q.data_ptr(), q.stride(0), out.data_ptr(), heads * dim,
+            kv_cache[:, layer].data_ptr(), kv_cache.stride(0), kv_cache.stride(2),
+            kv_cache.stride(3), table.data_ptr(), kv_cache.shape[3], length, start, heads,
+            kv_cache.shape[-2], dim, window or 0, scale) else None
     ranges = _split(length, start, torch.get_num_threads())
 
     def run(a: int, b: int) -> int:
-        return _kernel()(q[a].data_ptr(), q.stride(0), out[a].data_ptr(), heads * dim,
+        return _kernel().alone(q[a].data_ptr(), q.stride(0), out[a].data_ptr(), heads * dim,
                          kv_cache[:, layer].data_ptr(), kv_cache.stride(0), kv_cache.stride(2),
                          kv_cache.stride(3), table.data_ptr(), kv_cache.shape[3], b - a,
                          start + a, heads, kv_cache.shape[-2], dim, window or 0, scale)

@@ -8,8 +8,10 @@ to back, with no horizontal sums. Over SmolLM2-135M's 121 decode matrices on an 
 8, and per matrix as fast at 512 rows of prefill, so one layout and one copy of each
 weight serve both.
 
-The kernel is single-threaded, so the layout is chosen only when torch runs one thread
-(the engine's default on a small machine); otherwise, or when the kernel cannot be built
+The kernel runs on the engine's one thread, sharing its tiles with the kernels' helper
+thread when one runs (native_pool.py: the idle time of the front-end's CPU), so the layout
+is chosen only when torch runs one thread (the engine's default on a small machine);
+otherwise, or when the kernel cannot be built
 (no compiler, SPLITSERVE_NATIVE_KERNELS=0), NativeLinear.create returns None and the
 caller keeps oneDNN's path.
 """
@@ -23,6 +25,7 @@ import torch
 from torch import nn
 
 from splitserve.kernels.build import load
+from splitserve.model import native_pool
 
 
 @functools.cache
@@ -42,6 +45,8 @@ def configure(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.gemv.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64]
     lib.gemv_advise_huge.restype = ctypes.c_int
     lib.gemv_advise_huge.argtypes = [ptr, i64]
+    lib.gemv_shared.restype = None
+    lib.gemv_shared.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64]
     return lib
 
 
@@ -120,7 +125,13 @@ class NativeLinear(nn.Module):
         x2 = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, k).contiguous()  # (M, K)
         m = x2.shape[0]
         y = torch.empty(m, n)                   # (M, N)
-        if m:
+        pool = native_pool.runner()
+        if pool is not None and m:
+            # Tiles are handed out a few at a time for one or two rows (a tile is then a few
+            # microseconds of reading memory), one at a time for more.
+            self._lib.gemv_shared(pool, x2.data_ptr(), self._tiles_ptr, self._bias_ptr,
+                                  y.data_ptr(), m, n, k, max(1, 4 // m))
+        elif m:
             self._lib.gemv(x2.data_ptr(), self._tiles_ptr, self._bias_ptr, y.data_ptr(), m, n, k)
         return y if x2 is x else y.reshape(*x.shape[:-1], n)
 

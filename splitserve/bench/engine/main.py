@@ -98,6 +98,12 @@ def _machine() -> dict:
             "processor": platform.processor() or platform.machine()}
 
 
+def _helper_note() -> str:
+    from splitserve.model import native_pool
+    cpu = native_pool.helper_cpu()
+    return "" if cpu is None else f", borrowing CPU {cpu}'s idle time"
+
+
 def place(args) -> None:
     """With --cpus, pins this process there (the command line's process only: pins are
     inherited), e.g. to the CPUs `serve` gives its engine, so the two compare."""
@@ -116,6 +122,11 @@ def run(args) -> dict:
                           scheduler=SchedulerConfig(max_num_batched_tokens=args.prefill_len,
                                                     max_num_seqs=max(args.batch_sizes)))
     engine = EngineCore(config)
+    import torch
+    if (args.helper_cpu is not None and torch.get_num_threads() == 1
+            and engine.runner.kv_cache.dtype == torch.float32):
+        from splitserve.model import native_pool
+        native_pool.start(args.helper_cpu)
     rng = np.random.default_rng(0)
     result = _describe(engine, config, args)
     print(_headline(result))
@@ -145,7 +156,7 @@ def _describe(engine: EngineCore, config: EngineConfig, args) -> dict:
     return {"model": engine.model_config.name, "dtype_requested": args.dtype,
             "dtype": str(config.torch_dtype).removeprefix("torch."),
             "quantization": args.quantization, "packed_weights": engine.runner.model.packed,
-            "kernels": build.status(),
+            "kernels": build.status() + _helper_note(),
             "threads": args.threads, "cpus": placement.format_cpus(tuple(os.sched_getaffinity(0))),
             **_machine(),
             "prefill_len": args.prefill_len, "decode_prompt_len": args.decode_prompt_len,
@@ -179,6 +190,9 @@ def add_arguments(p) -> None:
     p.add_argument("--threads", type=int, default=None, help="default: torch's (all cores)")
     p.add_argument("--cpus", type=placement.cpu_list_argument, default=None,
                    help="pin to these CPUs, e.g. those `serve` logs for its engine")
+    p.add_argument("--helper-cpu", type=int, default=None,
+                   help="with one thread in float32, the kernels borrow this CPU's idle time "
+                        "as `serve`'s engine borrows its front-end's (the CPU it logs)")
     p.add_argument("--prefill-len", type=int, default=512)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])

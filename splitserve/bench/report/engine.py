@@ -41,6 +41,8 @@ def engine(cfg: ReportConfig) -> Section:
         layout = ", packed weights" if r.get("packed_weights") else ""
         native = r.get("kernels", "").startswith("C") and r["dtype"] == "float32"
         kernels = "C kernels" if native else "PyTorch kernels"      # they are float32 only
+        if native and "borrowing" in r.get("kernels", ""):
+            kernels += " + helper"
         rows.append([f"{name} ({r['dtype']} compute{layout}, {r.get('cpu_capability', '?')}, "
                      f"{kernels})",
                      f"{num(r['prefill_tok_s'])} ({r['prefill_len']} tokens)",
@@ -72,10 +74,14 @@ def _kernel_configs() -> list[tuple[str, list[str]]]:
     the C kernels run), with and without them, and on an AVX-512 machine the same two with
     PyTorch, oneDNN and the kernels all held to AVX2 (what an AVX2 machine gets)."""
     plan = placement.plan_worker(placement.usable_cpus())
-    worker = ["--dtype", "float32", "--threads", str(plan.engine_threads), "--cpus",
-              placement.format_cpus(plan.engine_cpus)]
+    alone = ["--dtype", "float32", "--threads", str(plan.engine_threads), "--cpus",
+             placement.format_cpus(plan.engine_cpus)]
+    helper = [] if plan.helper_cpu is None else ["--helper-cpu", str(plan.helper_cpu)]
+    worker = [*alone, *helper]
     out = [("float32-worker", worker),
            ("float32-worker-pytorch", ["SPLITSERVE_NATIVE_KERNELS=0", *worker])]
+    if helper:   # the kernels without the front-end CPU's idle time
+        out.append(("float32-worker-no-helper", alone))
     if torch_isa().startswith("AVX512"):
         avx2 = ["ATEN_CPU_CAPABILITY=avx2", "ONEDNN_MAX_CPU_ISA=AVX2"]
         out += [("float32-worker-avx2", [*avx2, "SPLITSERVE_KERNEL_MARCH=haswell", *worker]),
@@ -111,22 +117,34 @@ def _engine_load(cfg: ReportConfig, name: str) -> list[str]:
 def _kernel_note(results: dict) -> str:
     """What the C kernels buy in float32 with the worker's placement, at this CPU's ISA and
     held to AVX2."""
-    clauses = []
-    for ours, theirs in (("float32-worker", "float32-worker-pytorch"),
-                         ("float32-worker-avx2", "float32-worker-avx2-pytorch")):
-        a, b = results.get(ours), results.get(theirs)
-        if not a or not b or not a["decode_tok_s"].get("1") or not b["decode_tok_s"].get("1"):
-            continue
-        speedups = [f"prefill {a['prefill_tok_s'] / b['prefill_tok_s']:.2f}×"] + [
-            f"decode b={n} {a['decode_tok_s'][n] / b['decode_tok_s'][n]:.2f}×"
-            for n in ("1", "8", "32") if a["decode_tok_s"].get(n) and b["decode_tok_s"].get(n)]
-        clauses.append(f"at {a.get('cpu_capability', '?')}, {', '.join(speedups)}")
+    clauses = [_ratios(results, ours, theirs, "at {isa},")
+               for ours, theirs in (("float32-worker", "float32-worker-pytorch"),
+                                    ("float32-worker-avx2", "float32-worker-avx2-pytorch"))]
+    clauses = [c for c in clauses if c]
     if not clauses:
         return ""
-    return ("The float32-worker rows run as a `serve` worker's engine does by default (its "
-            "CPUs and threads); there the C kernels against the same engine in PyTorch "
+    note = ("The float32-worker rows run as a `serve` worker's engine does by default (its "
+            "CPUs and threads, and on a small machine its kernels' helper thread on the "
+            "front-end's CPU); there the C kernels against the same engine in PyTorch "
             "(oneDNN's packed linears, SDPA, separate elementwise kernels), as throughput "
             "ratios: " + "; ".join(clauses) + ".")
+    helper = _ratios(results, "float32-worker", "float32-worker-no-helper", "")
+    if helper:
+        note += (" The helper thread (splitserve/model/native_pool.py: prefill and the "
+                 "linears borrow the front-end CPU's idle time, at SCHED_IDLE) against the "
+                 f"kernels on the engine's CPU alone:{helper}.")
+    return note
+
+
+def _ratios(results: dict, ours: str, theirs: str, lead: str) -> str:
+    """'<lead> prefill 1.35×, decode b=1 1.31×, ...': ours' throughput over theirs'."""
+    a, b = results.get(ours), results.get(theirs)
+    if not a or not b or not a["decode_tok_s"].get("1") or not b["decode_tok_s"].get("1"):
+        return ""
+    speedups = [f"prefill {a['prefill_tok_s'] / b['prefill_tok_s']:.2f}×"] + [
+        f"decode b={n} {a['decode_tok_s'][n] / b['decode_tok_s'][n]:.2f}×"
+        for n in ("1", "8", "32") if a["decode_tok_s"].get(n) and b["decode_tok_s"].get(n)]
+    return f"{lead.format(isa=a.get('cpu_capability', '?'))} {', '.join(speedups)}"
 
 
 def _bf16_note(results: dict) -> str:

@@ -1,0 +1,28 @@
+/* The helper thread's interface for kernels (pool.c says how it works). A kernel that
+ * shares its work passes two contexts: the caller's, over the caller's memory, and the
+ * helper's, over staging copies that pool.c owns for good. */
+#ifndef SPLITSERVE_POOL_H
+#define SPLITSERVE_POOL_H
+#include <stddef.h>
+#include <stdint.h>
+
+/* Runs ranges [begin, end) of a job's 0 .. n. */
+typedef void (*pool_task)(const void *ctx, int64_t begin, int64_t end);
+/* Copies what the helper wrote for [begin, end) (through helper_ctx) into the caller's
+ * output (through ctx). */
+typedef void (*pool_copy)(const void *ctx, const void *helper_ctx, int64_t begin, int64_t end);
+
+#define POOL_CTX_MAX 256   /* bytes of a helper context */
+
+struct pool_api {
+    /* Staging buffers for the next run: `in` for the inputs the helper reads (copied there
+     * by the kernel), `out` for what it writes. 0, or -1 when there is no memory for them
+     * (then the kernel runs alone). */
+    int (*stage)(size_t in_bytes, size_t out_bytes, void **in, void **out);
+    /* fn over [0, n) in ranges of `grain`: fn(ctx, ...) on this thread, fn(helper_ctx, ...)
+     * on the helper, then copy() for each range the helper finished. Returns when all ran. */
+    void (*run)(pool_task fn, const void *ctx, const void *helper_ctx, size_t helper_ctx_bytes,
+                int64_t n, int64_t grain, pool_copy copy);
+};
+
+#endif

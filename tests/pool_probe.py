@@ -1,0 +1,94 @@
+"""Run by test_native_pool.py in a process of its own (the kernels' helper thread, once
+started, lasts as long as its process): the float32 kernels with the helper on another CPU,
+against float64. Prints one JSON line."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from splitserve.model import native_attention, native_linear, native_pool
+from test_native_kernels import CASES, _paged_case
+
+LINEAR_SHAPES = [(960, 576, 1), (576, 1536, 8), (3072, 576, 128), (49152, 576, 3),
+                 (100, 64, 33), (7, 64, 2)]   # (out, in, rows): decode, prefill, lm_head, tails
+
+
+def alone(fn):
+    """fn() with the helper out of the kernels' way: the result each computes alone."""
+    pool, native_pool._started = native_pool._started, None
+    try:
+        return fn()
+    finally:
+        native_pool._started = pool
+
+
+def linear_error(shapes, seed: int = 0) -> tuple[float, bool]:
+    """The largest error against float64, and whether every output equals the kernel's
+    alone bit for bit."""
+    g = torch.Generator().manual_seed(seed)
+    worst, same = 0.0, True
+    for i, (n, k, m) in enumerate(shapes):
+        w, x = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g)
+        b = torch.randn(n, generator=g) if i % 2 else None
+        layer = native_linear.NativeLinear.create(w, b)
+        ref = F.linear(x.double(), w.double(), None if b is None else b.double())
+        out = layer(x)
+        worst = max(worst, (out.double() - ref).abs().max().item())
+        same &= torch.equal(out, alone(lambda: layer(x)))
+    return worst, same
+
+
+def attention_error() -> tuple[float, bool]:
+    worst, same = 0.0, True
+    for case in CASES:
+        q, cache, table, ref = _paged_case(*case)
+
+        def run():
+            return native_attention.prefill(q, cache, 1, table, case[4], case[6],
+                                            case[2] ** -0.5)
+        out = run()
+        worst = max(worst, (out - ref).abs().max().item())
+        same &= torch.equal(out, alone(run))
+    return worst, same
+
+
+def main() -> None:
+    engine_cpu, helper_cpu = int(sys.argv[1]), int(sys.argv[2])
+    os.sched_setaffinity(0, {engine_cpu})
+    torch.set_num_threads(1)
+    result = {"started": native_pool.start(helper_cpu)}
+    runs = [linear_error(LINEAR_SHAPES, seed) for seed in range(3)]
+    result["linear_err"] = max(err for err, _ in runs)
+    result["linear_same"] = all(same for _, same in runs)
+    result["attention_err"], result["attention_same"] = attention_error()
+    result["helped"] = native_pool.stats()[0]
+
+    # The helper loses its CPU for 2 s right after claiming a range: the engine thread must
+    # take that range back and go on, not wait for it.
+    stall = native_pool._library().pool_stall_next
+    stall.argtypes = [ctypes.c_int64]
+    stall(2_000_000_000)
+    big = native_linear.NativeLinear.create(torch.randn(49152, 576))
+    x = torch.randn(1, 576)
+    slowest, t_end = 0.0, time.monotonic() + 10
+    while native_pool.stats()[1] == 0 and time.monotonic() < t_end:
+        t = time.perf_counter()
+        big(x)
+        slowest = max(slowest, time.perf_counter() - t)
+    result["taken_back"] = native_pool.stats()[1]
+    result["slowest_call_s"] = slowest
+    time.sleep(2.2)   # the stalled helper wakes, finishes its stale range and drops it
+    result["linear_err_after"], result["linear_same_after"] = linear_error(LINEAR_SHAPES, 7)
+    result["attention_err_after"], result["attention_same_after"] = attention_error()
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

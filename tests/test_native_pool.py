@@ -1,0 +1,54 @@
+"""The kernels' helper thread (splitserve/kernels/pool.c, model/native_pool.py): shared
+kernels compute what they compute alone, and a helper that loses its CPU mid-range costs
+the engine thread nothing but that range."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from splitserve.kernels import build
+
+pytestmark = pytest.mark.skipif(build.load("pool") is None or build.load("gemv") is None,
+                                reason="no C compiler on this machine")
+
+
+def _probe() -> dict:
+    cpus = sorted(os.sched_getaffinity(0))
+    tests = Path(__file__).parent
+    out = subprocess.run([sys.executable, str(tests / "pool_probe.py"), str(cpus[0]), str(cpus[-1])],
+                         capture_output=True, text=True, timeout=600,
+                         env=dict(os.environ, PYTHONPATH=f"{tests}{os.pathsep}"
+                                                         f"{os.environ.get('PYTHONPATH', '')}"))
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def probe() -> dict:
+    return _probe()
+
+
+def test_shared_kernels_match_float64(probe):
+    assert probe["started"]
+    assert probe["linear_same"] and probe["attention_same"]   # bit for bit, as alone
+    assert probe["linear_err"] < 1e-3          # sums of 1,536 products of N(0, 1) values
+    assert probe["attention_err"] < 4e-6       # what test_native_kernels holds alone
+    if len(os.sched_getaffinity(0)) > 1:
+        assert probe["helped"] > 0             # on a CPU of its own, the helper took work
+
+
+def test_a_stalled_helper_range_is_taken_back(probe):
+    """The helper sleeps 2 s after claiming a range, as if the front-end (or another
+    process) held its CPU: the engine thread takes the range back and returns at once, and
+    the stale range the helper finishes later reaches no output."""
+    assert probe["taken_back"] >= 1
+    assert probe["slowest_call_s"] < 0.5
+    assert probe["linear_same_after"] and probe["attention_same_after"]
+    assert probe["linear_err_after"] < 1e-3
+    assert probe["attention_err_after"] < 4e-6
