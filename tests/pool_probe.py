@@ -38,6 +38,7 @@ def linear_error(shapes, seed: int = 0) -> tuple[float, bool]:
         w, x = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g)
         b = torch.randn(n, generator=g) if i % 2 else None
         layer = native_linear.NativeLinear.create(w, b)
+        KEEP.append(layer)
         ref = F.linear(x.double(), w.double(), None if b is None else b.double())
         out = layer(x)
         worst = max(worst, (out.double() - ref).abs().max().item())
@@ -45,10 +46,14 @@ def linear_error(shapes, seed: int = 0) -> tuple[float, bool]:
     return worst, same
 
 
+KEEP = []   # every cache the kernels read lives as long as the process, as the engine's does
+
+
 def attention_error() -> tuple[float, bool]:
     worst, same = 0.0, True
     for case in CASES:
         q, cache, table, ref = _paged_case(*case)
+        KEEP.append(cache)
 
         def run():
             return native_attention.prefill(q, cache, 1, table, case[4], case[6],
@@ -85,6 +90,22 @@ def main() -> None:
     result["taken_back"] = native_pool.stats()[1]
     result["slowest_call_s"] = slowest
     time.sleep(2.2)   # the stalled helper wakes, finishes its stale range and drops it
+
+    # The same in attention, and while the helper sleeps, linears overwrite the staging
+    # copies its stale range reads: it must still read only block ids of the cache.
+    q, cache, table, _ = _paged_case(*CASES[1])
+    KEEP.append(cache)
+    before = native_pool.stats()[1]
+    stall(1_000_000_000)
+    t_end = time.monotonic() + 10
+    while native_pool.stats()[1] == before and time.monotonic() < t_end:
+        native_attention.prefill(q, cache, 1, table, CASES[1][4], None, 0.125)
+    result["attention_taken_back"] = native_pool.stats()[1] - before
+    wide = native_linear.NativeLinear.create(torch.full((3072, 576), 1e30))
+    KEEP.append(wide)
+    t_end = time.monotonic() + 1.5
+    while time.monotonic() < t_end:
+        wide(torch.full((256, 576), -1e30))   # inputs that make no block id
     result["linear_err_after"], result["linear_same_after"] = linear_error(LINEAR_SHAPES, 7)
     result["attention_err_after"], result["attention_same_after"] = attention_error()
     print(json.dumps(result))

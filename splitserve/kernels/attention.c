@@ -243,10 +243,9 @@ int attn_prefill_shared(const struct pool_api *pool, const float *q, int64_t q_s
                              L, H, KVH, D, window, (L + VW - 1) / VW, start, scale};
     int64_t units = (int64_t)a.blocks * KVH, row = (int64_t)H * D;
     int64_t blocks_used = (start + L + bs - 1) / bs;
-    size_t q_bytes = (size_t)(L * row) * sizeof(float);
-    void *in, *staged_out;
-    if (!pool || pool->stage(q_bytes + (size_t)blocks_used * sizeof(int64_t),
-                             (size_t)(L * row) * sizeof(float), &in, &staged_out)) {
+    void *in, *staged_out, *index;
+    if (!pool || pool->stage((size_t)(L * row) * sizeof(float), (size_t)(L * row) * sizeof(float),
+                             (size_t)blocks_used * sizeof(int64_t), &in, &staged_out, &index)) {
         prefill_units(&a, 0, units);
         return 0;
     }
@@ -254,8 +253,9 @@ int attn_prefill_shared(const struct pool_api *pool, const float *q, int64_t q_s
     float *hq = in;
     for (int i = 0; i < L; i++)
         memcpy(hq + i * row, q + i * q_stride, (size_t)row * sizeof(float));
-    int64_t *htable = (int64_t *)((char *)in + q_bytes);
-    memcpy(htable, table, (size_t)blocks_used * sizeof(int64_t));
+    int64_t *htable = index;   /* block ids only, as pool.h asks, each stored whole */
+    for (int64_t b = 0; b < blocks_used; b++)
+        __atomic_store_n(&htable[b], table[b], __ATOMIC_RELAXED);
     h.q = hq;
     h.q_stride = row;
     h.out = staged_out;

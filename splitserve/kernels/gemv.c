@@ -197,8 +197,9 @@ void gemv_shared(const struct pool_api *pool, const float *x, const float *wp,
                  const float *bias, float *y, int64_t m, int64_t n, int64_t k, int64_t grain)
 {
     struct gemv_args a = {x, wp, bias, y, m, n, k}, h = a;
-    void *in, *out;
-    if (pool->stage((size_t)(m * k) * sizeof(float), (size_t)(m * n) * sizeof(float), &in, &out)) {
+    void *in, *out, *unused;
+    if (pool->stage((size_t)(m * k) * sizeof(float), (size_t)(m * n) * sizeof(float), 0, &in,
+                    &out, &unused)) {
         gemv_tiles(&a, 0, (n + NR - 1) / NR);
         return;
     }

@@ -16,7 +16,8 @@
  * file's staging buffers and writes outputs there, and the caller copies out only ranges
  * the helper marked done. Staging buffers are never freed (a larger one replaces a smaller
  * one and the old one stays mapped), so a helper that wakes long after its job ended
- * computes into memory nobody reads, fails to mark its range done, and moves on.
+ * computes into memory nobody reads, fails to mark its range done, and moves on. What it
+ * reads then may be a later job's; pool.h says why that stays inside mapped memory.
  *
  * Each range has a state word, (job id << 2) | FREE, HELPER, DONE or CALLER, changed only
  * by compare-and-swap, so a range is the helper's or the caller's, never both. The job's
@@ -68,8 +69,8 @@ static _Atomic int64_t next;            /* the next range to hand out */
 typedef _Atomic uint64_t state_word;
 static state_word *_Atomic states;      /* per range; replaced by a larger one as needed */
 static int64_t states_cap;
-static void *stage_in, *stage_out;
-static size_t stage_in_cap, stage_out_cap;
+static void *stage_in, *stage_out, *stage_index;
+static size_t stage_in_cap, stage_out_cap, stage_index_cap;
 static uint64_t last_id;
 
 static _Atomic uint32_t generation;     /* futex word: bumped on every job */
@@ -117,13 +118,17 @@ static int grow_states(int64_t ranges)
     return 0;
 }
 
-static int stage(size_t in_bytes, size_t out_bytes, void **in, void **out)
+static int stage(size_t in_bytes, size_t out_bytes, size_t index_bytes, void **in, void **out,
+                 void **index)
 {
+    /* A new buffer is all zeros (mmap): 0 is an index every job accepts (pool.h). */
     if (grow(&stage_in, &stage_in_cap, in_bytes ? in_bytes : 1) ||
-        grow(&stage_out, &stage_out_cap, out_bytes ? out_bytes : 1))
+        grow(&stage_out, &stage_out_cap, out_bytes ? out_bytes : 1) ||
+        grow(&stage_index, &stage_index_cap, index_bytes ? index_bytes : 1))
         return -1;
     *in = stage_in;
     *out = stage_out;
+    *index = stage_index;
     return 0;
 }
 

@@ -16,11 +16,20 @@ typedef void (*pool_copy)(const void *ctx, const void *helper_ctx, int64_t begin
 
 struct pool_api {
     /* Staging buffers for the next run: `in` for the inputs the helper reads (copied there
-     * by the kernel), `out` for what it writes. 0, or -1 when there is no memory for them
-     * (then the kernel runs alone). */
-    int (*stage)(size_t in_bytes, size_t out_bytes, void **in, void **out);
+     * by the kernel), `out` for what it writes, `index` for indices it follows into memory
+     * that outlives the job (a block table into the KV cache). A helper that lost its CPU
+     * may read them after its job ended, when a later job has overwritten them: garbage
+     * floats in `in` only spoil a result nobody copies, but a garbage index would read
+     * outside the cache. So `index` holds nothing but indices every job of the process
+     * accepts (block ids: the KV cache and the models live as long as the process), and
+     * is all zeros at first. 0, or -1 when there is no memory for them (then the kernel
+     * runs alone). */
+    int (*stage)(size_t in_bytes, size_t out_bytes, size_t index_bytes, void **in, void **out,
+                 void **index);
     /* fn over [0, n) in ranges of `grain`: fn(ctx, ...) on this thread, fn(helper_ctx, ...)
-     * on the helper, then copy() for each range the helper finished. Returns when all ran. */
+     * on the helper, then copy() for each range the helper finished. Returns when all ran.
+     * Memory the helper reads other than the staging buffers (weights, the KV cache) must
+     * outlive the process's jobs. */
     void (*run)(pool_task fn, const void *ctx, const void *helper_ctx, size_t helper_ctx_bytes,
                 int64_t n, int64_t grain, pool_copy copy);
 };
