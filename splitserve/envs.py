@@ -32,8 +32,9 @@ ENGINE_HELPER_CPU = "SPLITSERVE_ENGINE_HELPER_CPU"
 
 def engine_helper_cpu() -> int | None:
     """SPLITSERVE_ENGINE_HELPER_CPU: the CPU whose idle time a one-thread engine's C kernels
-    borrow for prefill (splitserve/model/native_pool.py). `serve` sets it to its front-end's
-    CPU when that is not one of the engine's; `none` turns the helper off."""
+    borrow (splitserve/model/native_pool.py). `serve` sets it to its front-end's CPU when
+    that is not one of the engine's and no container CPU quota below the CPUs makes idle
+    time cost (placement.WorkerPlan.helper_cpu); `none` turns the helper off."""
     value = os.environ.get(ENGINE_HELPER_CPU, "").strip().lower()
     return None if value in ("", "none") else int(value)
 

@@ -28,16 +28,22 @@ class WorkerPlan:
 
     @property
     def helper_cpu(self) -> int | None:
-        """A one-thread engine's prefill borrows the idle time of the front-end's first CPU
-        that is not the engine's (splitserve/model/native_pool.py)."""
+        """A one-thread engine's kernels borrow the idle time of the front-end's first CPU
+        that is not the engine's (splitserve/model/native_pool.py), unless a CPU quota
+        (a container's limit) is smaller than the CPUs: idle time there is not free, as
+        what the helper uses counts against the quota the engine needs too."""
         spare = [c for c in self.frontend_cpus if c not in self.engine_cpus]
-        return spare[0] if spare and self.engine_threads == 1 else None
+        if not spare or self.engine_threads != 1:
+            return None
+        quota = cpu_quota()
+        cpus = set(self.engine_cpus) | set(self.frontend_cpus)
+        return spare[0] if quota is None or quota >= len(cpus) else None
 
     def describe(self, frontends: int = 1, helper: bool = True) -> str:
         """frontends: front-end processes, which share the front-end CPUs; helper: whether
         the engine borrows helper_cpu's idle time."""
         who = "front-end" if frontends == 1 else f"{frontends} front-ends (shared)"
-        lent = (f" (and CPU {self.helper_cpu}'s idle time for prefill)"
+        lent = (f" (and CPU {self.helper_cpu}'s idle time)"
                 if helper and self.helper_cpu is not None else "")
         return (f"engine {self.engine_threads} thread(s) on CPUs {format_cpus(self.engine_cpus)}"
                 f"{lent}, {who} on CPUs {format_cpus(self.frontend_cpus)}")
@@ -51,6 +57,25 @@ class ClusterPlan:
 
 def usable_cpus() -> tuple[int, ...]:
     return tuple(sorted(os.sched_getaffinity(0)))
+
+
+def cpu_quota(root: str = "/sys/fs/cgroup") -> float | None:
+    """CPUs' worth of time this process's cgroup may use (a container's CPU limit), or None
+    when it has no quota. Reads cgroup v2's cpu.max, else v1's cpu.cfs_quota_us."""
+    def read(*parts: str) -> str | None:
+        try:
+            with open(os.path.join(root, *parts)) as f:
+                return f.read().strip()
+        except OSError:
+            return None
+    v2 = read("cpu.max")
+    if v2 is not None:
+        quota, _, period = v2.partition(" ")
+        return None if quota == "max" else int(quota) / int(period or 100000)
+    quota, period = read("cpu", "cpu.cfs_quota_us"), read("cpu", "cpu.cfs_period_us")
+    if quota is None or period is None or int(quota) < 0:
+        return None
+    return int(quota) / int(period)
 
 
 def parse_cpus(text: str) -> tuple[int, ...]:

@@ -67,6 +67,34 @@ def test_cluster_plan_gives_each_engine_cpus_of_its_own():
                                                    WorkerPlan((7,), 1, (2,)))
 
 
+def test_one_thread_engines_borrow_a_front_end_cpu_unless_a_quota_makes_it_costly(
+        monkeypatch, tmp_path):
+    import splitserve.placement as placement
+    read_quota = placement.cpu_quota
+    monkeypatch.setattr(placement, "cpu_quota", lambda: None)
+    assert plan_worker((0, 1)).helper_cpu == 0
+    assert plan_worker((0,)).helper_cpu is None                 # no CPU but the engine's
+    assert plan_worker((0, 1, 2, 3)).helper_cpu is None         # 3 threads: oneDNN's, no C pool
+    assert [w.helper_cpu for w in plan_cluster((0, 1), 2).workers] == [1, 0]
+    assert [w.helper_cpu for w in plan_cluster((0, 1, 2, 3), 2).workers] == [None, 0]
+    monkeypatch.setattr(placement, "cpu_quota", lambda: 1.5)    # a container limited to 1.5 CPUs
+    assert plan_worker((0, 1)).helper_cpu is None
+    monkeypatch.setattr(placement, "cpu_quota", lambda: 2.0)
+    assert plan_worker((0, 1)).helper_cpu == 0
+
+    (tmp_path / "cpu.max").write_text("max 100000\n")          # cgroup v2
+    assert read_quota(str(tmp_path)) is None
+    (tmp_path / "cpu.max").write_text("150000 100000\n")
+    assert read_quota(str(tmp_path)) == 1.5
+    v1 = tmp_path / "v1"
+    (v1 / "cpu").mkdir(parents=True)
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
+    (v1 / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    assert read_quota(str(v1)) is None
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("300000\n")
+    assert read_quota(str(v1)) == 3.0
+
+
 def test_cpu_lists_parse_and_format():
     assert parse_cpus("0,2-4, 7") == (0, 2, 3, 4, 7)
     assert format_cpus((7, 0, 2, 3, 4)) == "0,2-4,7"
@@ -165,9 +193,9 @@ def _check_placed(server: _Serve, plan: WorkerPlan, dtype: str) -> None:
     helper = plan.helper_cpu if dtype == "float32" and "C kernels" in threads.group(4) else None
     if helper is None:
         assert not _helpers(engine) and "idle time" not in log
-    else:   # prefill borrows the front-end's CPU, only when nothing else wants it
+    else:   # the kernels borrow the front-end's CPU, only when nothing else wants it
         assert _helpers(engine) == [((helper,), os.SCHED_IDLE)]
-        assert f"prefill borrows CPU {helper}'s idle time" in log
+        assert f"kernels borrow CPU {helper}'s idle time" in log
 
 
 def test_serve_places_engine_and_front_end_by_default(tmp_path):

@@ -101,7 +101,7 @@ def _start_helper(dtype: torch.dtype) -> str:
     cpu = envs.engine_helper_cpu()
     if cpu is None or dtype != torch.float32 or torch.get_num_threads() != 1:
         return ""
-    return f", prefill borrows CPU {cpu}'s idle time" if native_pool.start(cpu) else ""
+    return f", kernels borrow CPU {cpu}'s idle time" if native_pool.start(cpu) else ""
 
 
 def _pin() -> None:
