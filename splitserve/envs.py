@@ -36,7 +36,11 @@ def engine_helper_cpu() -> int | None:
     that is not one of the engine's and no container CPU quota below the CPUs makes idle
     time cost (placement.WorkerPlan.helper_cpu); `none` turns the helper off."""
     value = os.environ.get(ENGINE_HELPER_CPU, "").strip().lower()
-    return None if value in ("", "none") else int(value)
+    if value in ("", "none"):
+        return None
+    if not value.isdigit():
+        raise ValueError(f"{ENGINE_HELPER_CPU} must be a CPU number or none, got {value!r}")
+    return int(value)
 
 
 def api_key() -> str | None:

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from splitserve.model import native_attention, native_linear, native_pool
-from test_native_kernels import CASES, _paged_case
+from test_native_kernels import CASES, DECODE_CASES, _decode_case, _paged_case
 
 LINEAR_SHAPES = [(960, 576, 1), (576, 1536, 8), (3072, 576, 128), (49152, 576, 3),
                  (100, 64, 33), (7, 64, 2)]   # (out, in, rows): decode, prefill, lm_head, tails
@@ -64,6 +64,32 @@ def attention_error() -> tuple[float, bool]:
     return worst, same
 
 
+def decode_error() -> tuple[float, bool]:
+    worst, same = 0.0, True
+    for case in DECODE_CASES:
+        q, cache, meta, ref = _decode_case(*case)
+        KEEP.append(cache)
+
+        def run():
+            return native_attention.decode(q, cache, 1, meta.decode_block_table,
+                                           meta.decode_positions, case[5], case[2] ** -0.5)
+        out = run()
+        worst = max(worst, (out - ref).abs().max().item())
+        same &= torch.equal(out, alone(run))
+    return worst, same
+
+
+def decode_batch(cache, sequences: int, blocks: int, seed: int):
+    """Decode queries of `sequences` sequences of `blocks` blocks each, over `cache`."""
+    g = torch.Generator().manual_seed(seed)
+    bs, num_blocks = cache.shape[3], cache.shape[0]
+    tables = torch.stack([torch.randperm(num_blocks, generator=g)[:blocks]
+                          for _ in range(sequences)])
+    positions = torch.full((sequences,), blocks * bs - 1, dtype=torch.int64)
+    q = torch.randn(sequences, 9, 64, generator=g)
+    return lambda: native_attention.decode(q, cache, 1, tables, positions, None, 0.125)
+
+
 def main() -> None:
     engine_cpu, helper_cpu = int(sys.argv[1]), int(sys.argv[2])
     os.sched_setaffinity(0, {engine_cpu})
@@ -73,6 +99,7 @@ def main() -> None:
     result["linear_err"] = max(err for err, _ in runs)
     result["linear_same"] = all(same for _, same in runs)
     result["attention_err"], result["attention_same"] = attention_error()
+    result["decode_err"], result["decode_same"] = decode_error()
     result["helped"] = native_pool.stats()[0]
 
     # The helper loses its CPU for 2 s right after claiming a range: the engine thread must
@@ -82,12 +109,12 @@ def main() -> None:
     stall(2_000_000_000)
     big = native_linear.NativeLinear.create(torch.randn(49152, 576))
     x = torch.randn(1, 576)
-    slowest, t_end = 0.0, time.monotonic() + 10
-    while native_pool.stats()[1] == 0 and time.monotonic() < t_end:
+    slowest, t_end, before = 0.0, time.monotonic() + 10, native_pool.stats()[1]
+    while native_pool.stats()[1] == before and time.monotonic() < t_end:
         t = time.perf_counter()
         big(x)
         slowest = max(slowest, time.perf_counter() - t)
-    result["taken_back"] = native_pool.stats()[1]
+    result["taken_back"] = native_pool.stats()[1] - before
     result["slowest_call_s"] = slowest
     time.sleep(2.2)   # the stalled helper wakes, finishes its stale range and drops it
 
@@ -106,7 +133,23 @@ def main() -> None:
     t_end = time.monotonic() + 1.5
     while time.monotonic() < t_end:
         wide(torch.full((256, 576), -1e30))   # inputs that make no block id
+    # And in decode: the stale sequence's positions and table are read where a later batch
+    # of fewer, longer sequences put its table (block ids as positions, a row past its own).
+    cache = torch.randn(200, 3, 2, 16, 3, 64)
+    KEEP.append(cache)
+    short, long = decode_batch(cache, 16, 2, seed=1), decode_batch(cache, 2, 64, seed=2)
+    before = native_pool.stats()[1]
+    stall(1_000_000_000)
+    t_end = time.monotonic() + 10
+    while native_pool.stats()[1] == before and time.monotonic() < t_end:
+        short()
+    result["decode_taken_back"] = native_pool.stats()[1] - before
+    t_end = time.monotonic() + 1.5
+    while time.monotonic() < t_end:
+        long()
+
     result["linear_err_after"], result["linear_same_after"] = linear_error(LINEAR_SHAPES, 7)
+    result["decode_err_after"], result["decode_same_after"] = decode_error()
     result["attention_err_after"], result["attention_same_after"] = attention_error()
     print(json.dumps(result))
 

@@ -36,7 +36,8 @@ def probe() -> dict:
 
 def test_shared_kernels_match_float64(probe):
     assert probe["started"]
-    assert probe["linear_same"] and probe["attention_same"]   # bit for bit, as alone
+    assert probe["linear_same"] and probe["attention_same"] and probe["decode_same"]
+    assert probe["decode_err"] < 1e-5
     assert probe["linear_err"] < 1e-3          # sums of 1,536 products of N(0, 1) values
     assert probe["attention_err"] < 4e-6       # what test_native_kernels holds alone
     if len(os.sched_getaffinity(0)) > 1:
@@ -50,7 +51,20 @@ def test_a_stalled_helper_range_is_taken_back(probe):
     cache though later jobs overwrote the staging copies it reads (the probe process would
     die of SIGSEGV)."""
     assert probe["taken_back"] >= 1 and probe["attention_taken_back"] >= 1
-    assert probe["slowest_call_s"] < 0.5
+    assert probe["decode_taken_back"] >= 1
+    assert 0 < probe["slowest_call_s"] < 0.5
     assert probe["linear_same_after"] and probe["attention_same_after"]
+    assert probe["decode_same_after"] and probe["decode_err_after"] < 1e-5
     assert probe["linear_err_after"] < 1e-3
     assert probe["attention_err_after"] < 4e-6
+
+
+def test_the_helper_cpu_setting_names_what_is_wrong(monkeypatch):
+    from splitserve import envs
+    for value, cpu in (("", None), ("none", None), (" NONE ", None), ("3", 3)):
+        monkeypatch.setenv("SPLITSERVE_ENGINE_HELPER_CPU", value)
+        assert envs.engine_helper_cpu() == cpu
+    for bad in ("x", "-1", "0,1"):
+        monkeypatch.setenv("SPLITSERVE_ENGINE_HELPER_CPU", bad)
+        with pytest.raises(ValueError, match="SPLITSERVE_ENGINE_HELPER_CPU must be a CPU"):
+            envs.engine_helper_cpu()

@@ -14,6 +14,7 @@
  * once (hsums), and PV is D / VW FMAs per head and value. Scores of a tile sit in one
  * vector (lane = key) for the online softmax.
  */
+#include "pool.h"
 #include "vec.h"
 
 #define GMAX 16          /* query heads per KV head handled; more returns -1 */
@@ -176,6 +177,86 @@ static void sequence(const float *q, float *out, const Paged *kv, int64_t pos, i
         }
 }
 
+struct decode_args {
+    const float *q;
+    int64_t q_stride;
+    float *out;
+    int64_t out_stride;
+    const float *cache;
+    int64_t block_stride, v_offset, tok_stride;
+    const int64_t *tables;
+    int64_t table_stride;
+    const int64_t *positions;
+    int bs, H, KVH, D, window;
+    float scale;
+};
+
+/* Sequences [i0, i1). A position is held inside its table's row: a valid one always is,
+ * and a helper that read a later job's staging (pool.h) then still reads only block ids. */
+static void decode_units(const void *ctx, int64_t i0, int64_t i1)
+{
+    const struct decode_args *a = ctx;
+    int64_t last = a->table_stride * a->bs - 1;
+    for (int64_t i = i0; i < i1; i++) {
+        Paged kv = {a->cache, a->block_stride, a->v_offset, a->tok_stride,
+                    a->tables + i * a->table_stride, a->bs};
+        int64_t pos = a->positions[i];
+        pos = pos > last ? last : pos < 0 ? 0 : pos;
+        sequence(a->q + i * a->q_stride, a->out + i * a->out_stride, &kv, pos, a->H, a->KVH,
+                 a->D, a->window, a->scale);
+    }
+}
+
+/* The helper's sequences, from its staging copy of out into the caller's. */
+static void decode_copy(const void *ctx, const void *helper_ctx, int64_t i0, int64_t i1)
+{
+    const struct decode_args *a = ctx, *h = helper_ctx;
+    for (int64_t i = i0; i < i1; i++)
+        memcpy(a->out + i * a->out_stride, h->out + i * h->out_stride,
+               (size_t)(a->H * a->D) * sizeof(float));
+}
+
+/* attn_decode_f32 with its sequences shared with pool.c's helper thread (pool NULL: alone).
+ * The helper reads staging copies of the queries, and of the tables and positions among
+ * the block ids of pool.h's index buffer (a padding id below 0 is stored as 0). */
+int attn_decode_shared(const struct pool_api *pool, const float *q, int64_t q_stride,
+                       float *out, int64_t out_stride, const float *cache, int64_t block_stride,
+                       int64_t v_offset, int64_t tok_stride, const int64_t *tables,
+                       int64_t table_stride, const int64_t *positions, int n, int bs, int H,
+                       int KVH, int D, int window, float scale) {
+    if (D > DMAX || D % VW || KVH <= 0 || H % KVH || H / KVH > GMAX || H > HMAX || bs <= 0 ||
+        table_stride < 1)
+        return -1;
+    struct decode_args a = {q, q_stride, out, out_stride, cache, block_stride, v_offset,
+                            tok_stride, tables, table_stride, positions, bs, H, KVH, D, window,
+                            scale};
+    int64_t row = (int64_t)H * D, ids = (int64_t)n * table_stride;
+    void *in, *staged_out, *index;
+    if (!pool || n < 2 ||
+        pool->stage((size_t)(n * row) * sizeof(float), (size_t)(n * row) * sizeof(float),
+                    (size_t)(ids + n) * sizeof(int64_t), &in, &staged_out, &index)) {
+        decode_units(&a, 0, n);
+        return 0;
+    }
+    struct decode_args h = a;
+    float *hq = in;
+    for (int i = 0; i < n; i++)
+        memcpy(hq + i * row, q + i * q_stride, (size_t)row * sizeof(float));
+    int64_t *staged = index;   /* each stored whole, as pool.h asks */
+    for (int64_t i = 0; i < ids; i++)
+        __atomic_store_n(&staged[i], tables[i] < 0 ? 0 : tables[i], __ATOMIC_RELAXED);
+    for (int i = 0; i < n; i++)
+        __atomic_store_n(&staged[ids + i], positions[i], __ATOMIC_RELAXED);
+    h.q = hq;
+    h.q_stride = row;
+    h.out = staged_out;
+    h.out_stride = row;
+    h.tables = staged;
+    h.positions = staged + ids;
+    pool->run(decode_units, &a, &h, sizeof h, n, 1, decode_copy);
+    return 0;
+}
+
 /* For i < n: out[i * out_stride ..] (H, D) = attention of q[i * q_stride ..] (H, D) at
  * position positions[i] over keys 0 .. positions[i] (the last `window` of them if window > 0)
  * of the sequence whose block ids are tables[i * table_stride ..]. Cache addressing as in
@@ -185,12 +266,7 @@ int attn_decode_f32(const float *q, int64_t q_stride, float *out, int64_t out_st
                     int64_t tok_stride, const int64_t *tables, int64_t table_stride,
                     const int64_t *positions, int n, int bs, int H, int KVH, int D,
                     int window, float scale) {
-    if (D > DMAX || D % VW || KVH <= 0 || H % KVH || H / KVH > GMAX || H > HMAX || bs <= 0)
-        return -1;
-    for (int i = 0; i < n; i++) {
-        Paged kv = {cache, block_stride, v_offset, tok_stride, tables + i * table_stride, bs};
-        sequence(q + i * q_stride, out + i * out_stride, &kv, positions[i], H, KVH, D, window,
-                 scale);
-    }
-    return 0;
+    return attn_decode_shared(0, q, q_stride, out, out_stride, cache, block_stride, v_offset,
+                              tok_stride, tables, table_stride, positions, n, bs, H, KVH, D,
+                              window, scale);
 }

@@ -43,26 +43,30 @@ _PREFILL_ARGS = [_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _PTR, _INT, _IN
                  _INT, _INT, _INT, _INT, ctypes.c_float]
 
 
-class Prefill(NamedTuple):
-    alone: ctypes._CFuncPtr     # attn_prefill_f32: on the calling thread
-    shared: ctypes._CFuncPtr    # attn_prefill_shared: its units shared by pool.c's pool_run
+class Entry(NamedTuple):
+    """A kernel's two entry points."""
+    alone: ctypes._CFuncPtr     # on the calling thread
+    shared: ctypes._CFuncPtr    # its units shared with pool.c's helper (the pool first)
 
 
-def bind(lib: ctypes.CDLL) -> Prefill:
+def bind(lib: ctypes.CDLL) -> Entry:
     """The prefill kernel's entry points in `lib`, typed for ctypes."""
     lib.attn_prefill_f32.argtypes = _PREFILL_ARGS
     lib.attn_prefill_shared.argtypes = [_PTR, *_PREFILL_ARGS]
     lib.attn_prefill_f32.restype = lib.attn_prefill_shared.restype = _INT
-    return Prefill(lib.attn_prefill_f32, lib.attn_prefill_shared)
+    return Entry(lib.attn_prefill_f32, lib.attn_prefill_shared)
 
 
-def bind_decode(lib: ctypes.CDLL):
-    """The decode kernel's entry point in `lib`, typed for ctypes."""
-    fn = lib.attn_decode_f32
-    fn.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _INT,
-                   _INT, _INT, _INT, _INT, _INT, ctypes.c_float]
-    fn.restype = _INT
-    return fn
+_DECODE_ARGS = [_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _INT, _INT,
+                _INT, _INT, _INT, _INT, ctypes.c_float]
+
+
+def bind_decode(lib: ctypes.CDLL) -> Entry:
+    """The decode kernel's entry points in `lib`, typed for ctypes (alone, shared)."""
+    lib.attn_decode_f32.argtypes = _DECODE_ARGS
+    lib.attn_decode_shared.argtypes = [_PTR, *_DECODE_ARGS]
+    lib.attn_decode_f32.restype = lib.attn_decode_shared.restype = _INT
+    return Entry(lib.attn_decode_f32, lib.attn_decode_shared)
 
 
 @functools.cache
@@ -90,11 +94,19 @@ def decode(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, tables: torch.Te
         return None
     assert tables.is_contiguous() and positions.is_contiguous()
     out = torch.empty(batch, heads, dim, dtype=q.dtype)
+    shared = native_pool.runner()
+    if shared is not None and torch.get_num_threads() == 1:
+        return out if not _decode_kernel().shared(
+            shared, q.data_ptr(), q.stride(0), out.data_ptr(), heads * dim,
+            kv_cache[:, layer].data_ptr(), kv_cache.stride(0), kv_cache.stride(2),
+            kv_cache.stride(3), tables.data_ptr(), tables.stride(0), positions.data_ptr(),
+            batch, kv_cache.shape[3], heads, kv_cache.shape[-2], dim, window or 0,
+            scale) else None
     parts = max(1, min(torch.get_num_threads(), batch))
     bounds = [batch * k // parts for k in range(parts + 1)]
 
     def run(a: int, b: int) -> int:
-        return _decode_kernel()(
+        return _decode_kernel().alone(
             q[a].data_ptr(), q.stride(0), out[a].data_ptr(), heads * dim,
             kv_cache[:, layer].data_ptr(), kv_cache.stride(0), kv_cache.stride(2),
             kv_cache.stride(3), tables[a].data_ptr(), tables.stride(0), positions[a].data_ptr(),

@@ -48,7 +48,8 @@ def start(cpu: int) -> bool:
         logger.warning("the kernels' helper thread could not start on CPU %d (errno %d): "
                        "prefill runs on the engine's CPUs alone", cpu, err)
         return False
-    _started, _cpu = lib.pool_api(), cpu
+    if _started is None:   # a second start keeps the first CPU, as pool_start does
+        _started, _cpu = lib.pool_api(), cpu
     return True
 
 
