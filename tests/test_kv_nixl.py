@@ -204,3 +204,12 @@ def test_the_lease_table_registers_a_lease_until_its_ack_or_expiry(transports):
         assert ctx._leased == {}
     finally:
         ctx.close()
+
+
+def test_an_idle_agent_leaves_the_cpu_alone(transports):
+    """NIXL's progress thread polls UCX every PROGRESS_DELAY_US: with nixl's default (no
+    wait) two idle agents kept two CPUs busy, those a worker's engine runs on."""
+    assert transports                       # a CTX's and a GEN's agent, both idle now
+    start = time.process_time()
+    time.sleep(1.0)
+    assert time.process_time() - start < 0.3
