@@ -249,18 +249,13 @@ int attn_prefill_shared(const struct pool_api *pool, const float *q, int64_t q_s
         prefill_units(&a, 0, units);
         return 0;
     }
+    pool_copy_rows(in, q, L, q_stride, row);
+    pool_store_ids(index, table, blocks_used);
     struct prefill_args h = a;
-    float *hq = in;
-    for (int i = 0; i < L; i++)
-        memcpy(hq + i * row, q + i * q_stride, (size_t)row * sizeof(float));
-    int64_t *htable = index;   /* block ids only, as pool.h asks, each stored whole */
-    for (int64_t b = 0; b < blocks_used; b++)
-        __atomic_store_n(&htable[b], table[b], __ATOMIC_RELAXED);
-    h.q = hq;
-    h.q_stride = row;
+    h.q = in;
     h.out = staged_out;
-    h.out_stride = row;
-    h.kv.table = htable;
+    h.q_stride = h.out_stride = row;
+    h.kv.table = index;
     pool->run(prefill_units, &a, &h, sizeof h, units, 1, prefill_copy);
     return 0;
 }

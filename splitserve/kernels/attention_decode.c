@@ -238,19 +238,14 @@ int attn_decode_shared(const struct pool_api *pool, const float *q, int64_t q_st
         decode_units(&a, 0, n);
         return 0;
     }
+    int64_t *staged = index;
+    pool_copy_rows(in, q, n, q_stride, row);
+    pool_store_ids(staged, tables, ids);
+    pool_store_ids(staged + ids, positions, n);
     struct decode_args h = a;
-    float *hq = in;
-    for (int i = 0; i < n; i++)
-        memcpy(hq + i * row, q + i * q_stride, (size_t)row * sizeof(float));
-    int64_t *staged = index;   /* each stored whole, as pool.h asks */
-    for (int64_t i = 0; i < ids; i++)
-        __atomic_store_n(&staged[i], tables[i] < 0 ? 0 : tables[i], __ATOMIC_RELAXED);
-    for (int i = 0; i < n; i++)
-        __atomic_store_n(&staged[ids + i], positions[i], __ATOMIC_RELAXED);
-    h.q = hq;
-    h.q_stride = row;
+    h.q = in;
     h.out = staged_out;
-    h.out_stride = row;
+    h.q_stride = h.out_stride = row;
     h.tables = staged;
     h.positions = staged + ids;
     pool->run(decode_units, &a, &h, sizeof h, n, 1, decode_copy);

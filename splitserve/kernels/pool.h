@@ -5,6 +5,7 @@
 #define SPLITSERVE_POOL_H
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 /* Runs ranges [begin, end) of a job's 0 .. n. */
 typedef void (*pool_task)(const void *ctx, int64_t begin, int64_t end);
@@ -33,5 +34,21 @@ struct pool_api {
     void (*run)(pool_task fn, const void *ctx, const void *helper_ctx, size_t helper_ctx_bytes,
                 int64_t n, int64_t grain, pool_copy copy);
 };
+
+/* rows of `width` floats, `stride` apart in src, copied packed into dst (the helper's q). */
+static inline void pool_copy_rows(float *dst, const float *src, int64_t rows, int64_t stride,
+                                  int64_t width)
+{
+    for (int64_t i = 0; i < rows; i++)
+        memcpy(dst + i * width, src + i * stride, (size_t)width * sizeof(float));
+}
+
+/* n block ids (or positions) into the index buffer as it asks: each stored whole, and
+ * none below 0 (a table's padding), so a late reader meets only ids it may follow. */
+static inline void pool_store_ids(int64_t *dst, const int64_t *src, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++)
+        __atomic_store_n(&dst[i], src[i] < 0 ? 0 : src[i], __ATOMIC_RELAXED);
+}
 
 #endif
