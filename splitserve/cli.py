@@ -136,15 +136,13 @@ def _place_worker(args):
 
 
 def _serve(args) -> int:
-    from splitserve import envs
     from splitserve.server.app import serve
     plan = _place_worker(args)
     config = server_config(args, plan.engine_threads)
     # The resolved dtype is logged once the engine is ready ("serving <model> (<dtype>)"):
     # resolving auto needs torch, which only the engine process loads.
     logging.getLogger(__name__).info("%s:%d: %s", args.role, args.port,
-                                     plan.describe(config.api_server_count,
-                                                   envs.engine_helper_cpu() is not None))
+                                     plan.describe(config.api_server_count))
     serve(config)
     return 0
 

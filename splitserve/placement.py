@@ -39,14 +39,13 @@ class WorkerPlan:
         cpus = set(self.engine_cpus) | set(self.frontend_cpus)
         return spare[0] if quota is None or quota >= len(cpus) else None
 
-    def describe(self, frontends: int = 1, helper: bool = True) -> str:
-        """frontends: front-end processes, which share the front-end CPUs; helper: whether
-        the engine borrows helper_cpu's idle time."""
+    def describe(self, frontends: int = 1) -> str:
+        """frontends: front-end processes, which share the front-end CPUs. (Whether the
+        engine borrows helper_cpu depends on its dtype, resolved in the engine process:
+        its start line says.)"""
         who = "front-end" if frontends == 1 else f"{frontends} front-ends (shared)"
-        lent = (f" (and CPU {self.helper_cpu}'s idle time)"
-                if helper and self.helper_cpu is not None else "")
-        return (f"engine {self.engine_threads} thread(s) on CPUs {format_cpus(self.engine_cpus)}"
-                f"{lent}, {who} on CPUs {format_cpus(self.frontend_cpus)}")
+        return (f"engine {self.engine_threads} thread(s) on CPUs {format_cpus(self.engine_cpus)}, "
+                f"{who} on CPUs {format_cpus(self.frontend_cpus)}")
 
 
 @dataclass(frozen=True)

@@ -130,8 +130,8 @@ def _kernel_note(results: dict) -> str:
             "ratios: " + "; ".join(clauses) + ".")
     helper = _ratios(results, "float32-worker", "float32-worker-no-helper", "")
     if helper:
-        note += (" The helper thread (splitserve/model/native_pool.py: prefill and the "
-                 "linears borrow the front-end CPU's idle time, at SCHED_IDLE) against the "
+        note += (" The helper thread (splitserve/model/native_pool.py: the C kernels "
+                 "borrow the front-end CPU's idle time, at SCHED_IDLE) against the "
                  f"kernels on the engine's CPU alone:{helper}.")
     return note
 
