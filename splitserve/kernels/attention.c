@@ -230,8 +230,13 @@ static void prefill_copy(const void *ctx, const void *helper_ctx, int64_t u0, in
     }
 }
 
-/* attn_prefill_f32 with its units shared with pool.c's helper thread (pool NULL: alone).
- * The helper reads a staging copy of q and of the table and writes a staging out. */
+/* out[t][h][:] = attention of query q[t][h][:] (t < L, at position start + t) over keys and
+ * values 0 .. start + t of KV head h / (H / KVH). The key of position p, KV head g, is at
+ * cache + table[p / bs] * block_stride + (p % bs) * tok_stride + g * D, its value v_offset
+ * floats further. Strides are in floats. window > 0 limits each query to the last `window`
+ * keys. Returns 0, or -1 for shapes it does not handle (then nothing was written).
+ * Its units are shared with pool.c's helper thread when pool is not NULL; the helper reads a
+ * staging copy of q and of the table and writes a staging out. */
 int attn_prefill_shared(const struct pool_api *pool, const float *q, int64_t q_stride,
                         float *out, int64_t out_stride, const float *cache,
                         int64_t block_stride, int64_t v_offset, int64_t tok_stride,
@@ -260,15 +265,3 @@ int attn_prefill_shared(const struct pool_api *pool, const float *q, int64_t q_s
     return 0;
 }
 
-/* out[t][h][:] = attention of query q[t][h][:] (t < L, at position start + t) over keys and
- * values 0 .. start + t of KV head h / (H / KVH). The key of position p, KV head g, is at
- * cache + table[p / bs] * block_stride + (p % bs) * tok_stride + g * D, its value v_offset
- * floats further. Strides are in floats. window > 0 limits each query to the last `window`
- * keys. Returns 0, or -1 for shapes it does not handle (then nothing was written). */
-int attn_prefill_f32(const float *q, int64_t q_stride, float *out, int64_t out_stride,
-                     const float *cache, int64_t block_stride, int64_t v_offset,
-                     int64_t tok_stride, const int64_t *table, int bs, int L, int64_t start,
-                     int H, int KVH, int D, int window, float scale) {
-    return attn_prefill_shared(0, q, q_stride, out, out_stride, cache, block_stride, v_offset,
-                               tok_stride, table, bs, L, start, H, KVH, D, window, scale);
-}

@@ -216,9 +216,13 @@ static void decode_copy(const void *ctx, const void *helper_ctx, int64_t i0, int
                (size_t)(a->H * a->D) * sizeof(float));
 }
 
-/* attn_decode_f32 with its sequences shared with pool.c's helper thread (pool NULL: alone).
- * The helper reads staging copies of the queries, and of the tables and positions among
- * the block ids of pool.h's index buffer (a padding id below 0 is stored as 0). */
+/* For i < n: out[i * out_stride ..] (H, D) = attention of q[i * q_stride ..] (H, D) at
+ * position positions[i] over keys 0 .. positions[i] (the last `window` of them if window > 0)
+ * of the sequence whose block ids are tables[i * table_stride ..]. Cache addressing as in
+ * attention.c. Returns 0, or -1 for shapes it does not handle (nothing written then).
+ * Its sequences are shared with pool.c's helper thread when pool is not NULL; the helper
+ * reads staging copies of the queries, and of the tables and positions among the block ids
+ * of pool.h's index buffer. */
 int attn_decode_shared(const struct pool_api *pool, const float *q, int64_t q_stride,
                        float *out, int64_t out_stride, const float *cache, int64_t block_stride,
                        int64_t v_offset, int64_t tok_stride, const int64_t *tables,
@@ -252,16 +256,3 @@ int attn_decode_shared(const struct pool_api *pool, const float *q, int64_t q_st
     return 0;
 }
 
-/* For i < n: out[i * out_stride ..] (H, D) = attention of q[i * q_stride ..] (H, D) at
- * position positions[i] over keys 0 .. positions[i] (the last `window` of them if window > 0)
- * of the sequence whose block ids are tables[i * table_stride ..]. Cache addressing as in
- * attention.c. Returns 0, or -1 for shapes it does not handle (nothing written then). */
-int attn_decode_f32(const float *q, int64_t q_stride, float *out, int64_t out_stride,
-                    const float *cache, int64_t block_stride, int64_t v_offset,
-                    int64_t tok_stride, const int64_t *tables, int64_t table_stride,
-                    const int64_t *positions, int n, int bs, int H, int KVH, int D,
-                    int window, float scale) {
-    return attn_decode_shared(0, q, q_stride, out, out_stride, cache, block_stride, v_offset,
-                              tok_stride, tables, table_stride, positions, n, bs, H, KVH, D,
-                              window, scale);
-}

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from typing import NamedTuple
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -39,34 +38,26 @@ def _decode_kernel():
     return None if lib is None else bind_decode(lib)
 
 
-_PREFILL_ARGS = [_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _PTR, _INT, _INT, _I64,
+_PREFILL_ARGS = [_PTR, _PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _PTR, _INT, _INT, _I64,
                  _INT, _INT, _INT, _INT, ctypes.c_float]
+_DECODE_ARGS = [_PTR, _PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _INT,
+                _INT, _INT, _INT, _INT, _INT, ctypes.c_float]
 
 
-class Entry(NamedTuple):
-    """A kernel's two entry points."""
-    alone: ctypes._CFuncPtr     # on the calling thread
-    shared: ctypes._CFuncPtr    # its units shared with pool.c's helper (the pool first)
+def bind(lib: ctypes.CDLL):
+    """The prefill kernel's entry point in `lib`, typed for ctypes. Its first argument is
+    the helper's pool (native_pool.runner()), or None to run on the calling thread alone."""
+    fn = lib.attn_prefill_shared
+    fn.argtypes, fn.restype = _PREFILL_ARGS, _INT
+    return fn
 
 
-def bind(lib: ctypes.CDLL) -> Entry:
-    """The prefill kernel's entry points in `lib`, typed for ctypes."""
-    lib.attn_prefill_f32.argtypes = _PREFILL_ARGS
-    lib.attn_prefill_shared.argtypes = [_PTR, *_PREFILL_ARGS]
-    lib.attn_prefill_f32.restype = lib.attn_prefill_shared.restype = _INT
-    return Entry(lib.attn_prefill_f32, lib.attn_prefill_shared)
-
-
-_DECODE_ARGS = [_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _INT, _INT,
-                _INT, _INT, _INT, _INT, ctypes.c_float]
-
-
-def bind_decode(lib: ctypes.CDLL) -> Entry:
-    """The decode kernel's entry points in `lib`, typed for ctypes (alone, shared)."""
-    lib.attn_decode_f32.argtypes = _DECODE_ARGS
-    lib.attn_decode_shared.argtypes = [_PTR, *_DECODE_ARGS]
-    lib.attn_decode_f32.restype = lib.attn_decode_shared.restype = _INT
-    return Entry(lib.attn_decode_f32, lib.attn_decode_shared)
+def bind_decode(lib: ctypes.CDLL):
+    """The decode kernel's entry point in `lib`, typed for ctypes; its first argument as
+    bind's."""
+    fn = lib.attn_decode_shared
+    fn.argtypes, fn.restype = _DECODE_ARGS, _INT
+    return fn
 
 
 @functools.cache
@@ -94,20 +85,13 @@ def decode(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, tables: torch.Te
         return None
     assert tables.is_contiguous() and positions.is_contiguous()
     out = torch.empty(batch, heads, dim, dtype=q.dtype)
-    shared = native_pool.runner()
-    if shared is not None and torch.get_num_threads() == 1:
-        return out if not _decode_kernel().shared(
-            shared, q.data_ptr(), q.stride(0), out.data_ptr(), heads * dim,
-            kv_cache[:, layer].data_ptr(), kv_cache.stride(0), kv_cache.stride(2),
-            kv_cache.stride(3), tables.data_ptr(), tables.stride(0), positions.data_ptr(),
-            batch, kv_cache.shape[3], heads, kv_cache.shape[-2], dim, window or 0,
-            scale) else None
+    pool = _helper()
     parts = max(1, min(torch.get_num_threads(), batch))
     bounds = [batch * k // parts for k in range(parts + 1)]
 
     def run(a: int, b: int) -> int:
-        return _decode_kernel().alone(
-            q[a].data_ptr(), q.stride(0), out[a].data_ptr(), heads * dim,
+        return _decode_kernel()(
+            pool, q[a].data_ptr(), q.stride(0), out[a].data_ptr(), heads * dim,
             kv_cache[:, layer].data_ptr(), kv_cache.stride(0), kv_cache.stride(2),
             kv_cache.stride(3), tables[a].data_ptr(), tables.stride(0), positions[a].data_ptr(),
             b - a, kv_cache.shape[3], heads, kv_cache.shape[-2], dim, window or 0, scale)
@@ -127,22 +111,22 @@ def prefill(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, table: torch.Te
     table = table.reshape(-1)
     assert table.dtype == torch.int64 and table.is_contiguous()
     out = torch.empty(length, heads, dim, dtype=q.dtype)
-    shared = native_pool.runner()
-    if shared is not None and torch.get_num_threads() == 1:
-        return out if not _kernel().shared(
-            shared, q.data_ptr(), q.stride(0), out.data_ptr(), heads * dim,
-            kv_cache[:, layer].data_ptr(), kv_cache.stride(0), kv_cache.stride(2),
-            kv_cache.stride(3), table.data_ptr(), kv_cache.shape[3], length, start, heads,
-            kv_cache.shape[-2], dim, window or 0, scale) else None
+    pool = _helper()
     ranges = _split(length, start, torch.get_num_threads())
 
     def run(a: int, b: int) -> int:
-        return _kernel().alone(q[a].data_ptr(), q.stride(0), out[a].data_ptr(), heads * dim,
+        return _kernel()(pool, q[a].data_ptr(), q.stride(0), out[a].data_ptr(), heads * dim,
                          kv_cache[:, layer].data_ptr(), kv_cache.stride(0), kv_cache.stride(2),
                          kv_cache.stride(3), table.data_ptr(), kv_cache.shape[3], b - a,
                          start + a, heads, kv_cache.shape[-2], dim, window or 0, scale)
 
     return out if _all_ran(run, ranges) else None
+
+
+def _helper() -> int | None:
+    """The kernels' helper (native_pool.py) on one torch thread; with more, the row ranges
+    go to this module's thread pool instead."""
+    return native_pool.runner() if torch.get_num_threads() == 1 else None
 
 
 def _all_ran(run, ranges: list[tuple[int, int]]) -> bool:
