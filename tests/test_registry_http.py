@@ -130,10 +130,11 @@ def test_a_lapsed_lease_leaves(tmp_path):
 
 
 def test_members_are_bounded(tmp_path):
-    # Its own orchestrator: the shared one drops a dead member after 1.5 s, sooner than a
-    # loaded machine registers 256 of them, and the limit would never be reached.
+    # Its own orchestrator, which keeps dead members; and members on 127.0.0.3, where
+    # dead_url() (127.0.0.1, a port from free_port's range) cannot name one of them: the
+    # 257th would then renew a lease instead of being refused.
     orch = start_orchestrator(tmp_path, remove_unhealthy_after=600)
-    urls = [f"http://127.0.0.1:{20000 + i}" for i in range(MAX_MEMBERS)]
+    urls = [f"http://127.0.0.3:{20000 + i}" for i in range(MAX_MEMBERS)]
     try:
         for url in urls:
             assert call("POST", orch.url + API, {"role": "generation", "url": url, "ttl": 600},
