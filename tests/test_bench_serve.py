@@ -6,6 +6,9 @@ import asyncio
 import json
 import math
 import struct
+import subprocess
+import sys
+import time
 
 import msgspec
 import pytest
@@ -119,7 +122,7 @@ def test_compare_two_workers_one_table(worker, tmp_path, capsys):
         main(["bench", "serve", "--url", worker.url, "--name", "first", "--compare",
               f"second={other.url}", "--concurrency", "1,2", "--num-requests", "4",
               "--input-len", "16", "--output-len", "4", "--warmup", "1", "--seed", "7",
-              "--out", str(out), "--no-progress"])
+              "--out", str(out), "--no-progress", "--settle", "1"])
     finally:
         other.close()
     table = capsys.readouterr().out.splitlines()
@@ -143,6 +146,44 @@ def test_compare_two_workers_one_table(worker, tmp_path, capsys):
     seeds = [r["workload"]["seed"] for r in runs]
     assert seeds[0] == seeds[1] == 7 and seeds[2] == seeds[3] != 7
     assert [r["load"]["warmup"] for r in runs] == [1, 1, 0, 0]
+    # Each run waited for a quiet machine first, at most --settle (+ one 0.5 s window).
+    assert all(0.4 <= r["settle"]["waited_s"] <= 1.6 for r in runs)
+
+
+def _spinner(seconds: float) -> subprocess.Popen:
+    """A process that keeps one core busy for `seconds`."""
+    return subprocess.Popen([sys.executable, "-c", "import time\nt = time.monotonic() + "
+                             f"{seconds}\nwhile time.monotonic() < t: pass"])
+
+
+def test_settle_waits_for_a_busy_core_to_go_quiet():
+    assert asyncio.run(compare.settle(0)) == {"waited_s": 0.0, "busy_cores": None}
+    spinner = _spinner(30)
+    try:
+        time.sleep(0.3)
+        busy = asyncio.run(compare.settle(1.0))
+    finally:
+        spinner.kill()
+        spinner.wait()
+    # Never quiet while a process spins: it gives up at the limit and says how busy it was.
+    assert 1.0 <= busy["waited_s"] < 2.5 and busy["busy_cores"] >= 0.7
+    doc = {"label": "x",
+           "workload": {"kind": "random", "endpoint": "completions", "input_len": 1,
+                        "output_len": 1, "seed": 0},
+           "load": {"stream": True, "num_requests": 1, "duration": None}, "servers": [],
+           "rows": [{"server": "a", "concurrency": 8, "request_rate": None, "completed": 1,
+                     "failed": 0, "errors": {}, "settle": busy,
+                     "ratios": {"output_throughput": 1.0, "itl_mean_ms": 1.0},
+                     **{key: 1.0 for key, _, _ in compare.COLUMNS}}]}
+    assert "started on a busy machine: a c=8 (" in compare.format_table(doc)
+    # A spinner that stops after 1.5 s: it waits at least until then.
+    spinner = _spinner(1.5)
+    try:
+        quiet = asyncio.run(compare.settle(20.0))
+    finally:
+        spinner.kill()
+        spinner.wait()
+    assert quiet["waited_s"] >= 1.2
 
 
 def test_compare_names():

@@ -71,7 +71,7 @@ class LoadProbe:
 
     def __init__(self, *services: Service):
         self.services = services
-        self.t0, self.machine0, self.own0 = time.monotonic(), _machine_cpu_s(), self._own_s()
+        self.t0, self.machine0, self.own0 = time.monotonic(), machine_cpu_s(), self._own_s()
 
     def _own_s(self) -> float:
         kids = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -79,11 +79,11 @@ class LoadProbe:
                 + sum(_group_cpu_s(s.proc.pid) for s in self.services))
 
     def cores(self) -> float:
-        other = (_machine_cpu_s() - self.machine0) - (self._own_s() - self.own0)
+        other = (machine_cpu_s() - self.machine0) - (self._own_s() - self.own0)
         return max(other, 0.0) / max(time.monotonic() - self.t0, 1e-9)
 
 
-def _machine_cpu_s() -> float:
+def machine_cpu_s() -> float:
     with open("/proc/stat") as f:      # cpu  user nice system idle iowait irq softirq ...
         user, nice, system, _idle, _iowait, irq, softirq = map(int, f.readline().split()[1:8])
     return (user + nice + system + irq + softirq) / _TICK

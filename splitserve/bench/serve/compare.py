@@ -9,6 +9,12 @@ level's prompts; warm-up requests (--warmup) run once per server, before its fir
 Each server is asked its model name (GET /v1/models) before anything runs: a server that is
 down or unreachable stops the comparison before it starts.
 
+Before each run the comparison waits (up to --settle seconds) for the machine to go quiet:
+a server that has just served may keep its CPU busy for a while (CPU vLLM's engine spins for
+about a second after its last request), and on a small machine shared with the load generator
+that time would come out of the next server's run. Each run records how long it waited and
+how busy the machine still was (`settle`); the table names runs that started on a busy machine.
+
 Every row holds the server's output tok/s, TTFT p50/p99 and ITL avg/p50/p99 at one load,
 and `ratios`: each of those divided by the first server's value at the same load (so the
 first server reads 1.0 everywhere; for throughput above 1 is faster, for latencies below 1).
@@ -16,6 +22,7 @@ first server reads 1.0 everywhere; for throughput above 1 is faster, for latenci
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 import urllib.parse
@@ -26,6 +33,9 @@ import aiohttp
 from splitserve.bench import provenance
 from splitserve.bench.serve.main import ServeBenchConfig, benchmark
 from splitserve.bench.serve.client import served_model
+from splitserve.bench.report.machine import machine_cpu_s
+
+QUIET_CORES = 0.25      # the machine counts as quiet below this many busy cores
 
 # (row key, label in the table, path in a run's metrics)
 COLUMNS = (
@@ -95,6 +105,25 @@ def _run_config(cfg: ServeBenchConfig, server: Server, model: str, level: int | 
         warmup=cfg.warmup if index == 0 else 0)
 
 
+async def settle(limit_s: float, window_s: float = 0.5) -> dict:
+    """Waits until every process together keeps fewer than QUIET_CORES cores busy over one
+    window_s window, or limit_s has passed. -> {"waited_s", "busy_cores"}: the time waited
+    and the busy cores over the last window (None without /proc/stat, or with limit_s 0)."""
+    t0 = time.monotonic()
+    busy = None
+    while limit_s > 0:
+        try:
+            c0, w0 = machine_cpu_s(), time.monotonic()
+            await asyncio.sleep(window_s)
+            busy = (machine_cpu_s() - c0) / (time.monotonic() - w0)
+        except OSError:
+            break
+        if busy < QUIET_CORES or time.monotonic() - t0 >= limit_s:
+            break
+    return {"waited_s": round(time.monotonic() - t0, 2),
+            "busy_cores": None if busy is None else round(busy, 2)}
+
+
 async def compare(cfg: ServeBenchConfig, servers: list[Server],
                   levels: list[int | None]) -> dict:
     """Every server at every level (closed-loop concurrency, or None: cfg's open loop)."""
@@ -102,7 +131,9 @@ async def compare(cfg: ServeBenchConfig, servers: list[Server],
     runs = []
     for index, level in enumerate(levels):
         for server, model in zip(servers, models):
-            runs.append(await benchmark(_run_config(cfg, server, model, level, index)))
+            quiet = await settle(cfg.settle)
+            runs.append({**await benchmark(_run_config(cfg, server, model, level, index)),
+                         "settle": quiet})
     return {
         "label": cfg.label, "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "command": list(cfg.command), "versions": provenance.versions(),
@@ -111,7 +142,8 @@ async def compare(cfg: ServeBenchConfig, servers: list[Server],
         "load": {"concurrency": levels if levels != [None] else None,
                  "request_rate": cfg.request_rate, "burstiness": cfg.burstiness,
                  "num_requests": cfg.num_requests, "duration": cfg.duration,
-                 "warmup": cfg.warmup, "timeout": cfg.timeout, "stream": cfg.stream},
+                 "warmup": cfg.warmup, "timeout": cfg.timeout, "stream": cfg.stream,
+                 "settle": cfg.settle},
         "workload": dataclasses.asdict(cfg.workload),
         "rows": rows(runs, [s.name for s in servers]),
         "runs": runs,
@@ -132,7 +164,7 @@ def rows(runs: list[dict], names: list[str]) -> list[dict]:
         row = {"server": names[i % len(names)], "url": run["target"]["url"],
                "model": run["target"]["model"], "concurrency": run["load"]["concurrency"],
                "request_rate": run["load"]["request_rate"], "completed": m["completed"],
-               "failed": m["failed"], "errors": m["errors"]}
+               "failed": m["failed"], "errors": m["errors"], "settle": run.get("settle")}
         ratios = {}
         for key, _, path in COLUMNS:
             row[key], base = _value(m, path), _value(first, path)
@@ -144,6 +176,11 @@ def rows(runs: list[dict], names: list[str]) -> list[dict]:
 # -- the table --------------------------------------------------------------------------------
 def _cell(value: float | None, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
+
+
+def _load_cell(row: dict) -> str:
+    return (f"c={row['concurrency']}" if row["concurrency"] is not None
+            else f"r={row['request_rate']:g}")
 
 
 def format_table(doc: dict) -> str:
@@ -159,8 +196,7 @@ def format_table(doc: dict) -> str:
               + "".join(f"{label:>11}" for _, label, _ in COLUMNS) + f"{'x first':>9}{'ITL x':>8}")
     lines = [head, header + "   (latencies in ms)"]
     for r in doc["rows"]:
-        load_cell = (f"c={r['concurrency']}" if r["concurrency"] is not None
-                     else f"r={r['request_rate']:g}")
+        load_cell = _load_cell(r)
         cells = "".join(f"{_cell(r[key], '.1f' if key == 'output_throughput' else '.2f'):>11}"
                         for key, _, _ in COLUMNS)
         lines.append(f"{r['server']:<{width}}{load_cell:>7}{r['completed']:>5}/{r['failed']:<3}"
@@ -168,5 +204,11 @@ def format_table(doc: dict) -> str:
                      f"{_cell(r['ratios']['itl_mean_ms'], '.2f'):>8}")
     lines += [f"{s['name']}: {s['url']} (model {s['model']})" for s in doc["servers"]]
     errors = [f"{r['server']} {k} {v}" for r in doc["rows"] for k, v in sorted(r["errors"].items())]
+    busy = [f"{r['server']} {_load_cell(r)} ({r['settle']['busy_cores']:.2f} cores after "
+            f"{r['settle']['waited_s']:.1f} s)" for r in doc["rows"]
+            if (r.get("settle") or {}).get("busy_cores") is not None
+            and r["settle"]["busy_cores"] >= QUIET_CORES]
+    if busy:
+        lines.append("started on a busy machine: " + ", ".join(busy))
     return "\n".join(lines + [f"errors: {', '.join(errors) or 'none'}"])
 

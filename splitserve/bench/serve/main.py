@@ -52,6 +52,7 @@ class ServeBenchConfig:
     label: str = "run"
     progress: bool = True
     command: tuple[str, ...] = ()
+    settle: float = 10.0                    # comparisons: max seconds to wait for a quiet machine
 
     def __post_init__(self):
         if self.concurrency is not None and self.request_rate is not None:
@@ -66,6 +67,8 @@ class ServeBenchConfig:
             raise ValueError("give --num-requests and/or --duration")
         if (self.num_requests or 1) < 1 or (self.duration or 1) <= 0 or self.warmup < 0:
             raise ValueError("--num-requests and --duration must be positive, --warmup >= 0")
+        if not self.settle >= 0:
+            raise ValueError(f"--settle must be >= 0 seconds, got {self.settle}")
         if not self.stream and set(self.slo) & {"ttft", "tpot"}:
             raise ValueError("ttft and tpot SLOs need a streaming run (drop --no-stream)")
 
@@ -174,6 +177,10 @@ def add_arguments(p) -> None:
     p.add_argument("--warmup", type=int, default=0, help="requests sent first, not measured")
     p.add_argument("--slo", default=None, help="goodput bounds in seconds: ttft=0.5,tpot=0.05")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--settle", type=float, default=10.0, metavar="SECONDS",
+                   help="in a comparison, before each run wait up to this long for the machine "
+                        "to go quiet (a server that just served may keep its CPU busy); 0: "
+                        "never wait")
     workloads.add_arguments(p)
     p.add_argument("--json", "--out", dest="json", default=None,
                    help="default: bench-results/<label>-<time>.json")
@@ -212,7 +219,7 @@ def config_from_args(args) -> ServeBenchConfig:
         request_rate=args.request_rate, burstiness=args.burstiness,
         num_requests=num, duration=args.duration, warmup=args.warmup,
         slo=M.parse_slo(args.slo), timeout=args.timeout, label=_label(args, wl.kind),
-        progress=not args.no_progress, command=_redacted(sys.argv),
+        progress=not args.no_progress, command=_redacted(sys.argv), settle=args.settle,
         api_key=args.api_key or os.environ.get("OPENAI_API_KEY") or None)
 
 
