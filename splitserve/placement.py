@@ -8,12 +8,14 @@ per CPU, and the front-ends (and `up`'s orchestrator) get the CPUs left over, as
 (one CPU reserved for its front-end, the engine's threads bound to the rest).
 
 Plans are built from the CPUs this process may run on (os.sched_getaffinity), so they hold
-under taskset, in containers and in cgroups, on any core count.
+under taskset, in containers and in cgroups, on any core count; under a CPU quota (a
+container's CPU limit) smaller than those, from only as many of them as the quota pays for.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from dataclasses import dataclass
 
@@ -54,8 +56,16 @@ class ClusterPlan:
     orchestrator_cpus: tuple[int, ...]
 
 
-def usable_cpus() -> tuple[int, ...]:
-    return tuple(sorted(os.sched_getaffinity(0)))
+def usable_cpus(root: str = "/sys/fs/cgroup") -> tuple[int, ...]:
+    """The CPUs this process may run on; under a CPU quota smaller than their count, the
+    first ceil(quota) of them. A container limited to 2 CPUs on a 64-CPU node sees all 64
+    in its affinity mask, and an engine planned for 63 threads there would have most of
+    them throttled mid-step while each parallel region waits for the last."""
+    cpus = tuple(sorted(os.sched_getaffinity(0)))
+    quota = cpu_quota(root)
+    if quota is not None and quota < len(cpus):
+        cpus = cpus[:max(1, math.ceil(quota))]
+    return cpus
 
 
 def cpu_quota(root: str = "/sys/fs/cgroup") -> float | None:
@@ -67,14 +77,17 @@ def cpu_quota(root: str = "/sys/fs/cgroup") -> float | None:
                 return f.read().strip()
         except OSError:
             return None
-    v2 = read("cpu.max")
-    if v2 is not None:
-        quota, _, period = v2.partition(" ")
-        return None if quota == "max" else int(quota) / int(period or 100000)
-    quota, period = read("cpu", "cpu.cfs_quota_us"), read("cpu", "cpu.cfs_period_us")
-    if quota is None or period is None or int(quota) < 0:
+    try:
+        v2 = read("cpu.max")
+        if v2 is not None:
+            quota, _, period = v2.partition(" ")
+            return None if quota == "max" else int(quota) / int(period or 100000)
+        quota, period = read("cpu", "cpu.cfs_quota_us"), read("cpu", "cpu.cfs_period_us")
+        if quota is None or period is None or int(quota) < 0:
+            return None
+        return int(quota) / int(period)
+    except (ValueError, ZeroDivisionError):     # a file this code does not understand
         return None
-    return int(quota) / int(period)
 
 
 def parse_cpus(text: str) -> tuple[int, ...]:

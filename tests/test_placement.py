@@ -93,6 +93,26 @@ def test_one_thread_engines_borrow_a_front_end_cpu_unless_a_quota_makes_it_costl
     assert read_quota(str(v1)) is None
     (v1 / "cpu" / "cpu.cfs_quota_us").write_text("300000\n")
     assert read_quota(str(v1)) == 3.0
+    (tmp_path / "cpu.max").write_text("garbage\n")
+    assert read_quota(str(tmp_path)) is None
+
+
+def test_plans_fit_a_cpu_quota(monkeypatch, tmp_path):
+    """A container limited to fewer CPUs than its affinity mask holds plans for the quota:
+    ceil(quota) CPUs, so the engine gets a thread per CPU it can pay for."""
+    import splitserve.placement as placement
+    monkeypatch.setattr(placement.os, "sched_getaffinity", lambda pid: set(range(64)))
+    assert len(usable_cpus(str(tmp_path))) == 64                # no cgroup files: no quota
+    (tmp_path / "cpu.max").write_text("200000 100000\n")
+    assert usable_cpus(str(tmp_path)) == (0, 1)
+    plan = plan_worker(usable_cpus(str(tmp_path)))
+    assert (plan.engine_threads, plan.engine_cpus, plan.frontend_cpus) == (1, (1,), (0,))
+    (tmp_path / "cpu.max").write_text("250000 100000\n")
+    assert plan_worker(usable_cpus(str(tmp_path))).engine_threads == 2
+    (tmp_path / "cpu.max").write_text("50000 100000\n")       # half a CPU: one to share
+    assert usable_cpus(str(tmp_path)) == (0,)
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert len(usable_cpus(str(tmp_path))) == 64
 
 
 def test_cpu_lists_parse_and_format():
