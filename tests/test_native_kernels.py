@@ -178,6 +178,20 @@ def test_a_failed_build_gives_none_and_says_why(tmp_path, monkeypatch, caplog):
     assert not list((tmp_path / "cache").glob("*.so"))     # nothing half-written is kept
 
 
+def test_a_damaged_cached_build_is_built_again(tmp_path, monkeypatch, caplog):
+    (tmp_path / "answer.c").write_text("int answer(void) { return 42; }\n")
+    monkeypatch.setattr(build, "_SOURCES", tmp_path)
+    monkeypatch.setenv("SPLITSERVE_KERNEL_CACHE", str(tmp_path / "cache"))
+    path, cached = build._build(build._compiler(), "answer", "native")    # built, not loaded
+    assert not cached
+    path.write_bytes(b"\x7fELF truncated")
+    with caplog.at_level(logging.WARNING):
+        lib = build.build_for("answer", "native")
+    assert lib is not None and lib.answer() == 42
+    assert "the cached answer kernel does not load" in caplog.text
+    assert build._build(build._compiler(), "answer", "native") == (path, True)
+
+
 def test_no_compiler_or_switched_off_gives_none(monkeypatch, caplog):
     monkeypatch.setenv("CC", "/nonexistent/cc")
     with caplog.at_level(logging.WARNING):

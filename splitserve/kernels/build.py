@@ -10,7 +10,8 @@ source, compiler or machine builds afresh. Concurrent builds (several workers st
 once) each write a private file and rename it into place; the last rename wins, and every
 one of them is the same build.
 
-No compiler, a failed build or SPLITSERVE_NATIVE_KERNELS=0 gives None: the engine then
+A cached file that no longer loads (damaged after its build) is built again. No compiler, a
+failed build or SPLITSERVE_NATIVE_KERNELS=0 gives None: the engine then
 runs its PyTorch path and logs why once.
 """
 
@@ -86,21 +87,31 @@ def build_for(name: str, march: str) -> ctypes.CDLL | None:
         logger.warning("no C compiler found (cc, gcc or $CC): %s runs in PyTorch, slower", name)
         return None
     try:
-        return ctypes.CDLL(str(_build(cc, name, march)))
+        path, cached = _build(cc, name, march)
+        try:
+            return ctypes.CDLL(str(path))
+        except OSError as e:
+            if not cached:
+                raise
+            # A cached file damaged after its build (truncated, overwritten): build it again.
+            logger.warning("the cached %s kernel does not load (%s): building it again", name, e)
+            return ctypes.CDLL(str(_build(cc, name, march, again=True)[0]))
     except (OSError, subprocess.SubprocessError) as e:
         logger.warning("building the %s kernel failed, it runs in PyTorch: %s", name, e)
         return None
 
 
-def _build(cc: str, name: str, march: str) -> Path:
+def _build(cc: str, name: str, march: str, again: bool = False) -> tuple[Path, bool]:
+    """-> (the shared object, whether it came from the cache); `again` builds it even if
+    the cache holds it."""
     source = b"".join(p.read_bytes() for p in [_SOURCES / f"{name}.c", *sorted(_SOURCES.glob("*.h"))])
     flags = (*FLAGS, f"-march={march}", f"-mtune={march}")
     digest = hashlib.sha256(b"\0".join([source, _version(cc).encode(), " ".join(flags).encode(),
                                          _cpu_flags().encode()])).hexdigest()[:16]
     cache = Path(envs.kernel_cache())
     target = cache / f"{name}-{digest}.so"
-    if target.exists():
-        return target
+    if target.exists() and not again:
+        return target, True
     cache.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
     os.close(fd)
@@ -114,4 +125,4 @@ def _build(cc: str, name: str, march: str) -> Path:
         if os.path.exists(tmp):
             os.unlink(tmp)
     logger.info("built the %s kernel for -march=%s: %s", name, march, target)
-    return target
+    return target, False
