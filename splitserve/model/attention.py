@@ -63,11 +63,23 @@ class AttentionMetadata:
     slot_offsets: torch.Tensor       # (T,) long: offset inside that block
     num_decodes: int
     decode_block_table: torch.Tensor | None   # (B_d, n_blocks) long
-    decode_mask: torch.Tensor | None          # (B_d, 1, 1, n_blocks * block_size) additive
     decode_positions: torch.Tensor | None     # (B_d,) long
     prefills: list[PrefillChunk]
     scratch: GatherBuffer | None = None       # gathers go here; one layer's at a time
     sliding_window: int | None = None
+    block_size: int = 16
+    dtype: torch.dtype = torch.float32        # the queries'
+
+    @functools.cached_property
+    def decode_mask(self) -> torch.Tensor | None:
+        """(B_d, 1, 1, n_blocks * block_size) additive: hides each decode's table padding
+        (and what lies outside its window). Built only for SDPA, on first use (the C
+        kernel reads positions instead)."""
+        if self.decode_block_table is None:
+            return None
+        b, width = self.decode_block_table.shape
+        allowed = _visible(self.decode_positions, width * self.block_size, self.sliding_window)
+        return _additive(allowed.view(b, 1, 1, -1), self.dtype)
 
 
 def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -83,13 +95,12 @@ def build_metadata(block_size: int, decode_seqs, prefill_seqs, sliding_window: i
     sits at `position`, its context is 0..position. Masks are additive (0 / -inf) in `dtype`,
     the dtype of the queries."""
     blocks, offsets = [], []            # (T_i,) int64 per group of new tokens, in step order
-    decode_table = decode_mask = None
+    decode_table = None
     if decode_seqs:
         pos = np.array([p for _, p in decode_seqs], dtype=np.int64)
         blocks.append(np.array([b[p // block_size] for b, p in decode_seqs], dtype=np.int64))
         offsets.append(pos % block_size)
-        decode_table, decode_mask = _decode_tables(block_size, decode_seqs, pos, sliding_window,
-                                                   dtype)
+        decode_table = _decode_table(decode_seqs)
     decode_pos = torch.from_numpy(pos) if decode_seqs else None
     chunks, offset = [], len(decode_seqs)
     for block_ids, start, length in prefill_seqs:
@@ -101,8 +112,8 @@ def build_metadata(block_size: int, decode_seqs, prefill_seqs, sliding_window: i
         offset += length
     return AttentionMetadata(torch.from_numpy(np.concatenate(blocks)),
                              torch.from_numpy(np.concatenate(offsets)), len(decode_seqs),
-                             decode_table, decode_mask, decode_pos, chunks, scratch,
-                             sliding_window)
+                             decode_table, decode_pos, chunks, scratch, sliding_window,
+                             block_size, dtype)
 
 
 def _visible(query_pos: torch.Tensor, num_keys: int, sliding_window: int | None) -> torch.Tensor:
@@ -115,16 +126,14 @@ def _visible(query_pos: torch.Tensor, num_keys: int, sliding_window: int | None)
     return allowed
 
 
-def _decode_tables(block_size: int, decode_seqs, pos: np.ndarray, sliding_window: int | None,
-                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block table (B_d, n_blocks), padded with block 0 past each sequence's blocks, and the
-    additive mask (B_d, 1, 1, n_blocks * block_size) that hides the padding."""
+def _decode_table(decode_seqs) -> torch.Tensor:
+    """Block table (B_d, n_blocks), padded with block 0 past each sequence's blocks (the
+    decode mask hides the padding)."""
     width = max(len(b) for b, _ in decode_seqs)
     table = np.zeros((len(decode_seqs), width), dtype=np.int64)
     for row, (block_ids, _) in zip(table, decode_seqs):
         row[:len(block_ids)] = block_ids
-    allowed = _visible(torch.from_numpy(pos), width * block_size, sliding_window)
-    return torch.from_numpy(table), _additive(allowed.view(len(decode_seqs), 1, 1, -1), dtype)
+    return torch.from_numpy(table)
 
 
 def _prefill_chunk(block_size: int, block_ids: np.ndarray, start: int, length: int,
