@@ -5,6 +5,7 @@ against float64. Prints one JSON line."""
 from __future__ import annotations
 
 import ctypes
+import gc
 import json
 import os
 import sys
@@ -90,6 +91,17 @@ def decode_batch(cache, sequences: int, blocks: int, seed: int):
     return lambda: native_attention.decode(q, cache, 1, tables, positions, None, 0.125)
 
 
+def take_back(layer, x, stall) -> float:
+    """Runs `layer` until the engine thread takes a range back from a helper stalled for
+    1 s in it; when that was seen (the helper then holds a stale range for about 1 s)."""
+    before, t_end = native_pool.stats()[1], time.monotonic() + 10
+    stall(1_000_000_000)
+    while native_pool.stats()[1] == before and time.monotonic() < t_end:
+        layer(x)
+    assert native_pool.stats()[1] > before, "no range was taken back"
+    return time.monotonic()
+
+
 def main() -> None:
     engine_cpu, helper_cpu = int(sys.argv[1]), int(sys.argv[2])
     os.sched_setaffinity(0, {engine_cpu})
@@ -147,6 +159,26 @@ def main() -> None:
     t_end = time.monotonic() + 1.5
     while time.monotonic() < t_end:
         long()
+
+    # Memory a stale range reads is freed only once the helper has left it: a linear of
+    # 113 MB of tiles (mmap'd, so unmapped when freed: a late read dies of SIGSEGV) ...
+    big = native_linear.NativeLinear.create(torch.randn(49152, 576))
+    t_taken = take_back(big, torch.randn(1, 576), stall)
+    native_pool.quiesce()
+    result["quiesce_waited_s"] = time.monotonic() - t_taken
+    del big
+    # ... and an engine's model and KV cache, which its runner frees when it goes.
+    from splitserve.engine.core import EngineCore
+    from splitserve.config import CacheConfig, EngineConfig, SchedulerConfig
+    engine = EngineCore(EngineConfig(model="tiny-random", dtype="float32", seed=0,
+                                     cache=CacheConfig(4, 64, enable_prefix_caching=False),
+                                     scheduler=SchedulerConfig(16, 4)))
+    layer = next(m for m in engine.runner.model.modules()
+                 if isinstance(m, native_linear.NativeLinear) and m.out_features > 1000)
+    t_taken = take_back(layer, torch.randn(1, layer.in_features), stall)
+    del layer, engine
+    gc.collect()
+    result["runner_freed_after_s"] = time.monotonic() - t_taken
 
     result["linear_err_after"], result["linear_same_after"] = linear_error(LINEAR_SHAPES, 7)
     result["decode_err_after"], result["decode_same_after"] = decode_error()

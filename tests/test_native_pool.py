@@ -61,6 +61,17 @@ def test_a_stalled_helper_range_is_taken_back(probe):
     assert probe["attention_err_after"] < 4e-6
 
 
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2,
+                    reason="the helper needs a CPU the engine thread does not keep busy")
+def test_memory_a_stale_range_reads_is_freed_only_after_it(probe):
+    """A helper stalled 1 s in a range the engine thread took back still reads the weights
+    (or the KV cache) when it wakes. native_pool.quiesce() waits for it, and a ModelRunner
+    calls it before its model and cache are freed; otherwise the probe reads unmapped tiles
+    and dies of SIGSEGV, as `bench engine` did at exit on a busy machine."""
+    assert probe["quiesce_waited_s"] > 0.5
+    assert probe["runner_freed_after_s"] > 0.5
+
+
 def test_the_helper_cpu_setting_names_what_is_wrong(monkeypatch):
     from splitserve import envs
     for value, cpu in (("", None), ("none", None), (" NONE ", None), ("3", 3)):

@@ -14,6 +14,7 @@ import torch
 from splitserve.engine.request import Request
 from splitserve.model.attention import GatherBuffer, build_metadata
 from splitserve.model.config import ModelConfig
+from splitserve.model import native_pool
 from splitserve.model.llama import LlamaModel
 
 
@@ -35,6 +36,11 @@ class ModelRunner:
         self.kv_cache = torch.zeros(num_blocks, cfg.num_layers, 2, block_size, cfg.num_kv_heads,
                                     cfg.head_dim, dtype=dtype)
         self.gather_buffer = GatherBuffer(dtype)
+
+    def __del__(self):
+        # The C kernels' helper thread may still be running a range it lost its CPU in,
+        # reading the weights and this KV cache, which are freed once this returns.
+        native_pool.quiesce()
 
     @staticmethod
     def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

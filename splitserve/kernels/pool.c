@@ -12,9 +12,11 @@
  * it loses its CPU would stall the caller until the CPU comes back, which on a CPU some
  * other process keeps busy can be hundreds of milliseconds. So the caller never waits for
  * it: past a short deadline it takes the range back and runs it itself. That is safe because
- * the helper never touches the caller's memory: it reads inputs the kernel copied into this
- * file's staging buffers and writes outputs there, and the caller copies out only ranges
- * the helper marked done. Staging buffers are never freed (a larger one replaces a smaller
+ * the helper never writes the caller's memory and reads of it only what lives as long as the
+ * process (weights, the KV cache): it reads inputs the kernel copied into this file's staging
+ * buffers and writes outputs there, and the caller copies out only ranges the helper marked
+ * done. Before that memory is freed, pool_quiesce() waits for the helper to leave the range
+ * it may still be running. Staging buffers are never freed (a larger one replaces a smaller
  * one and the old one stays mapped), so a helper that wakes long after its job ended
  * computes into memory nobody reads, fails to mark its range done, and moves on. What it
  * reads then may be a later job's; pool.h says why that stays inside mapped memory.
@@ -65,6 +67,7 @@ struct job {
 static struct job desc;                 /* written by the caller between seq odd and even */
 static _Atomic uint64_t seq;
 static _Atomic uint64_t live;           /* the id of the job being run; 0 between jobs */
+static _Atomic uint64_t inside;         /* the job whose ranges the helper may be running */
 static _Atomic int64_t next;            /* the next range to hand out */
 typedef _Atomic uint64_t state_word;
 static state_word *_Atomic states;      /* per range; replaced by a larger one as needed */
@@ -76,6 +79,7 @@ static uint64_t last_id;
 static _Atomic uint32_t generation;     /* futex word: bumped on every job */
 static _Atomic int sleeping;
 static _Atomic int started;
+static pthread_t helper;
 static _Atomic int ready;               /* the helper's start: 0 pending, 1 running, -errno */
 static _Atomic int64_t helped, taken_back, waited_ns;
 static _Atomic int64_t stall_ns;        /* pool_stall_next: a lost CPU, for tests */
@@ -153,10 +157,13 @@ static void help(uint64_t id)
     }
     if (j.id != id)
         return;              /* a newer job replaced it meanwhile: take that one next */
+    /* Set before any range is claimed, cleared after the last: pool_quiesce() reads it. A
+     * range is claimed only while it is FREE, which no range of a finished job is. */
+    atomic_store(&inside, id);
     while (atomic_load(&live) == id) {
         int64_t r = atomic_fetch_add(&next, 1);
         if (r >= j.ranges)
-            return;
+            break;
         state_word *st = atomic_load(&states);
         uint64_t expect = STATE(id, FREE);
         if (!atomic_compare_exchange_strong(&st[r], &expect, STATE(id, HELPER)))
@@ -173,6 +180,7 @@ static void help(uint64_t id)
         if (atomic_compare_exchange_strong(&st[r], &expect, STATE(id, DONE)))
             atomic_fetch_add(&helped, 1);
     }
+    atomic_store(&inside, 0);
 }
 
 static void *helper_main(void *arg)
@@ -230,7 +238,7 @@ static void run(pool_task fn, const void *ctx, const void *helper_ctx, size_t he
 {
     grain = grain < 1 ? 1 : grain;
     int64_t ranges = (n + grain - 1) / grain;
-    if (!atomic_load(&started) || ranges < 2 || helper_ctx_bytes > POOL_CTX_MAX ||
+    if (atomic_load(&started) != 1 || ranges < 2 || helper_ctx_bytes > POOL_CTX_MAX ||
         grow_states(ranges)) {
         fn(ctx, 0, n);
         return;
@@ -317,21 +325,54 @@ int pool_start(int cpu)
     CPU_ZERO(&set);
     CPU_SET(cpu, &set);
     int err = pthread_attr_setaffinity_np(&attr, sizeof set, &set);
-    pthread_t thread;
     atomic_store(&ready, 0);
     if (!err)
-        err = pthread_create(&thread, &attr, helper_main, NULL);
+        err = pthread_create(&helper, &attr, helper_main, NULL);
     pthread_attr_destroy(&attr);
     if (!err) {
-        pthread_setname_np(thread, HELPER_NAME);
-        pthread_detach(thread);
+        pthread_setname_np(helper, HELPER_NAME);
         while (!atomic_load(&ready))
             sched_yield();
-        if (atomic_load(&ready) < 0)
+        if (atomic_load(&ready) < 0) {
             err = -atomic_load(&ready);
+            pthread_join(helper, NULL);
+        } else {
+            pthread_detach(helper);   /* it runs as long as the process */
+        }
     }
     if (err)
         atomic_store(&started, 0);
+    return err;
+}
+
+/* Waits until the helper runs no range of any job, before the memory such ranges read
+ * (weights, the KV cache) is freed: a helper that lost its CPU mid-range is still running it
+ * after the job's caller has returned. Meanwhile the helper may also run on the caller's
+ * CPUs, so a CPU others keep busy cannot hold it back. 0 once it runs none, ETIMEDOUT if it
+ * still did after timeout_ns. */
+int pool_quiesce(int64_t timeout_ns)
+{
+    if (atomic_load(&started) != 1 || !atomic_load(&inside))
+        return 0;
+    cpu_set_t own, wider;
+    int widened = !pthread_getaffinity_np(helper, sizeof own, &own) &&
+                  !sched_getaffinity(0, sizeof wider, &wider);
+    if (widened) {
+        CPU_OR(&wider, &wider, &own);
+        widened = !pthread_setaffinity_np(helper, sizeof wider, &wider);
+    }
+    int64_t until = now_ns() + timeout_ns;
+    int err = 0;
+    while (atomic_load(&inside)) {
+        if (now_ns() >= until) {
+            err = ETIMEDOUT;
+            break;
+        }
+        struct timespec ts = {0, 50000};   /* sleeping leaves the caller's CPU to the helper */
+        nanosleep(&ts, NULL);
+    }
+    if (widened)
+        pthread_setaffinity_np(helper, sizeof own, &own);
     return err;
 }
 

@@ -11,7 +11,9 @@ linears run 1.9x faster with it on an idle CPU; with none, exactly as fast as al
 
 from __future__ import annotations
 
+import atexit
 import ctypes
+import errno
 import functools
 import logging
 
@@ -34,6 +36,8 @@ def _library() -> ctypes.CDLL | None:
     lib.pool_api.restype = ctypes.c_void_p
     lib.pool_stats.argtypes = [ctypes.c_void_p]
     lib.pool_stats.restype = None
+    lib.pool_quiesce.argtypes = [ctypes.c_int64]
+    lib.pool_quiesce.restype = ctypes.c_int
     return lib
 
 
@@ -50,7 +54,24 @@ def start(cpu: int) -> bool:
         return False
     if _started is None:   # a second start keeps the first CPU, as pool_start does
         _started, _cpu = lib.pool_api(), cpu
+        # Before the interpreter frees what is left at exit.
+        atexit.register(quiesce)
     return True
+
+
+def quiesce(timeout: float = 5.0) -> bool:
+    """Waits (up to `timeout` s) until the helper runs no kernel's range: one it lost its CPU
+    in may still be running after the kernel returned, reading the weights and the KV cache.
+    The owner of that memory calls this before freeing it (ModelRunner, at exit). Whether
+    the helper is clear of it (True when none runs)."""
+    lib = _library()
+    if lib is None or _started is None:
+        return True
+    err = lib.pool_quiesce(int(timeout * 1e9))
+    if err:
+        logger.warning("the kernels' helper thread still ran a range after %.1f s (%s)",
+                       timeout, errno.errorcode.get(err, err))
+    return not err
 
 
 def helper_cpu() -> int | None:
