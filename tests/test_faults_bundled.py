@@ -34,6 +34,10 @@ def relayed(url: str) -> float:
     return sum(v for k, v in metrics(url).items() if k.startswith("splitserve_token_relay_total"))
 
 
+def running(url: str) -> float:
+    return metrics(url)["splitserve_num_requests_running"]
+
+
 def test_gen_killed_mid_stream_the_stream_goes_on_and_up_restarts_it(tmp_path):
     openai = pytest.importorskip("openai")
     up = UpCluster("--num-gen", "2", "--dtype", "float32", "--kv-cache-gib", "0.25",
@@ -55,18 +59,25 @@ def test_gen_killed_mid_stream_the_stream_goes_on_and_up_restarts_it(tmp_path):
             return text
 
         want = story()
-        before = [relayed(g) for g in gens]
         victim = []
 
         def kill_at_sixth_chunk(i: int) -> None:
             if i == 6:
                 v = 0 if relayed(gens[0]) > before[0] else 1
+                # On a loaded machine the GEN may have generated the whole answer before
+                # this client read its sixth chunk: then there is no stream to cut.
+                if running(gens[v]) < 1:
+                    return
                 victim.append(v)
                 pid = worker_pid(up, up.port + 2 + v)
                 for p in (pid, *descendants(pid)):
                     os.kill(p, signal.SIGKILL)
-        assert story(kill_at_sixth_chunk) == want
-        assert victim, "the stream ended before the kill"
+        for _ in range(3):
+            before = [relayed(g) for g in gens]
+            assert story(kill_at_sixth_chunk) == want
+            if victim:
+                break
+        assert victim, "every stream ended on its GEN before the client read its sixth chunk"
         migrated = metrics(up.url)['splitserve_orchestrator_migrations_total{outcome="completed"}']
         assert migrated == 1
         dead = gens[victim[0]]
