@@ -135,8 +135,30 @@ def _place_worker(args):
     return plan
 
 
+def _stop_when_parent_is_gone() -> None:
+    """With SPLITSERVE_PARENT_STDIN=1 (set by `up`): SIGTERM to this process once stdin, a
+    pipe its parent holds open, reads EOF. The raw descriptor, not sys.stdin: a thread
+    blocked in its buffered reader would hold that lock at interpreter exit."""
+    import signal
+    import threading
+
+    def watch() -> None:
+        try:
+            while os.read(0, 4096):
+                pass
+        except OSError:
+            return
+        logging.getLogger(__name__).warning("the process that started this worker is gone; "
+                                            "stopping")
+        os.kill(os.getpid(), signal.SIGTERM)
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
 def _serve(args) -> int:
+    from splitserve import envs
     from splitserve.server.app import serve
+    if envs.parent_stdin():
+        _stop_when_parent_is_gone()
     plan = _place_worker(args)
     config = server_config(args, plan.engine_threads)
     # The resolved dtype is logged once the engine is ready ("serving <model> (<dtype>)"):

@@ -43,6 +43,16 @@ def engine_helper_cpu() -> int | None:
     return int(value)
 
 
+PARENT_STDIN = "SPLITSERVE_PARENT_STDIN"
+
+
+def parent_stdin() -> bool:
+    """SPLITSERVE_PARENT_STDIN=1: this worker's stdin is a pipe from the process that started
+    it (`splitserve up`), and EOF there means that process is gone, however it ended: the
+    worker then stops as on SIGTERM instead of serving on as an orphan."""
+    return os.environ.get(PARENT_STDIN) == "1"
+
+
 def api_key() -> str | None:
     """SPLITSERVE_API_KEY: the key public endpoints require (`Authorization: Bearer`) when
     no --api-key is given."""

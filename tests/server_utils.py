@@ -5,6 +5,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import signal
 import time
 import urllib.error
 import urllib.request
@@ -229,6 +230,14 @@ class UpCluster:
         wait_for(lambda: not any(alive(p) for p in family), 30, "every process gone")
 
     def close(self) -> None:
+        # Workers outlive a SIGKILLed `up`: kill them too, or they hold their ports and
+        # CPUs for the rest of the run.
+        family = descendants(self.proc.pid) if self.proc.poll() is None else []
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+        for pid in family:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

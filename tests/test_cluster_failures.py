@@ -1,11 +1,12 @@
 """Workers dying under the orchestrator, and `splitserve up` cleaning up after itself."""
 
 import json
+import os
 import signal
 import socket
 
-from server_utils import (Orchestrator, UpCluster, Worker, descendants, get, metrics, post,
-                          wait_for)
+from server_utils import (Orchestrator, UpCluster, Worker, alive, descendants, get, metrics,
+                          post, wait_for)
 
 MODEL = ("--model", "tiny-random", "--dtype", "float32")
 BODY = {"model": "tiny-random", "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0}
@@ -78,6 +79,20 @@ def test_dead_context_worker_is_routed_around(tmp_path):
     finally:
         for p in (orch, gen, *ctxs):
             p.close()
+
+
+def test_workers_stop_when_up_is_killed():
+    """`up` killed with SIGKILL runs no cleanup: its workers see EOF on the stdin pipe it
+    held and stop, instead of serving on as orphans that hold their ports."""
+    up = UpCluster(*MODEL)
+    try:
+        family = descendants(up.proc.pid)
+        assert len(family) >= 4     # two workers, each with an engine process
+        os.kill(up.proc.pid, signal.SIGKILL)
+        up.proc.wait()
+        wait_for(lambda: not any(alive(p) for p in family), 60, "every worker gone")
+    finally:
+        up.close()
 
 
 def test_up_then_ctrl_c_leaves_no_process():

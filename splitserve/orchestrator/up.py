@@ -76,7 +76,9 @@ def cluster_secrets(args) -> dict[str, str]:
 
 
 def start_workers(args, plan: ClusterPlan, secret_env: dict[str, str]) -> list[WorkerChild]:
-    env = dict(os.environ, **secret_env)
+    # Each worker's stdin is a pipe this process holds: if it dies, even by SIGKILL, the
+    # workers read EOF and stop (envs.parent_stdin) instead of serving on as orphans.
+    env = dict(os.environ, **secret_env, **{envs.PARENT_STDIN: "1"})
     # Fixed KV ports: a restarted CTX comes back at the same endpoint, and each GEN is told
     # the CTX endpoints it may pull from (it dials no other).
     kv_ports = free_ports(args.port + 1 + len(plan.workers), args.num_ctx)
@@ -87,7 +89,8 @@ def start_workers(args, plan: ClusterPlan, secret_env: dict[str, str]) -> list[W
         port = args.port + 1 + i
         kv = ["--kv-port", str(kv_ports[i])] if role == "ctx" else ["--kv-peers", kv_peers]
         children.append(WorkerChild(role, f"http://{args.host}:{port}",
-                                    worker_command(args, role, port, cpus) + kv, env))
+                                    worker_command(args, role, port, cpus) + kv, env,
+                                    stdin=b""))
     return children
 
 
