@@ -79,7 +79,7 @@ static uint64_t last_id;
 static _Atomic uint32_t generation;     /* futex word: bumped on every job */
 static _Atomic int sleeping;
 static _Atomic int started;
-static pthread_t helper;
+static pthread_t helper;                /* detached; it runs as long as the process */
 static _Atomic int ready;               /* the helper's start: 0 pending, 1 running, -errno */
 static _Atomic int64_t helped, taken_back, waited_ns;
 static _Atomic int64_t stall_ns;        /* pool_stall_next: a lost CPU, for tests */
@@ -238,7 +238,7 @@ static void run(pool_task fn, const void *ctx, const void *helper_ctx, size_t he
 {
     grain = grain < 1 ? 1 : grain;
     int64_t ranges = (n + grain - 1) / grain;
-    if (atomic_load(&started) != 1 || ranges < 2 || helper_ctx_bytes > POOL_CTX_MAX ||
+    if (!atomic_load(&started) || ranges < 2 || helper_ctx_bytes > POOL_CTX_MAX ||
         grow_states(ranges)) {
         fn(ctx, 0, n);
         return;
@@ -331,14 +331,11 @@ int pool_start(int cpu)
     pthread_attr_destroy(&attr);
     if (!err) {
         pthread_setname_np(helper, HELPER_NAME);
+        pthread_detach(helper);
         while (!atomic_load(&ready))
             sched_yield();
-        if (atomic_load(&ready) < 0) {
+        if (atomic_load(&ready) < 0)
             err = -atomic_load(&ready);
-            pthread_join(helper, NULL);
-        } else {
-            pthread_detach(helper);   /* it runs as long as the process */
-        }
     }
     if (err)
         atomic_store(&started, 0);
@@ -352,7 +349,7 @@ int pool_start(int cpu)
  * still did after timeout_ns. */
 int pool_quiesce(int64_t timeout_ns)
 {
-    if (atomic_load(&started) != 1 || !atomic_load(&inside))
+    if (!atomic_load(&started) || !atomic_load(&inside))
         return 0;
     cpu_set_t own, wider;
     int widened = !pthread_getaffinity_np(helper, sizeof own, &own) &&
