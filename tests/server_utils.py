@@ -144,11 +144,22 @@ def descendants(pid: int) -> set[int]:
 
 
 def alive(pid: int) -> bool:
+    """Whether any thread of process `pid` still runs. Not the leader's state alone: a
+    killed multi-threaded process's leader turns zombie while its other threads are still
+    exiting, and the last of them closes its files (a listening socket still takes
+    connections until then, and resets them when it closes)."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
+        tasks = os.listdir(f"/proc/{pid}/task")
     except OSError:
         return False
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
+                    return True
+        except OSError:
+            pass
+    return False
 
 
 def engine_pid(worker) -> int:
