@@ -86,10 +86,11 @@ def carries_disaggregated_params(body: bytes) -> bool:
     """Whether a JSON body sets disaggregated_params (to anything but null), under any
     spelling JSON allows for the name. The body is parsed for that one field, the others
     skipped (faster than searching the bytes for the name). A body that is not a JSON
-    object does not carry it: the handler refuses it with a 400."""
+    object, or nests too deeply to parse, does not carry it: the handler refuses it with a
+    400."""
     try:
         return bytes(_probe.decode(body).disaggregated_params) != b"null"
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         return False
 
 

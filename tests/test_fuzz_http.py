@@ -193,6 +193,25 @@ def test_a_worker_answers_whatever_it_is_sent(worker, path):
     assert alive(pid) and engine_pid(worker) == pid   # the same engine process throughout
 
 
+def nested(depth: int) -> bytes:
+    return b"[" * depth + b"]" * depth
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT, "/tokenize", "/detokenize"])
+def test_nesting_past_the_parsers_recursion_is_a_400(worker, path):
+    """msgspec parses nesting recursively and raises RecursionError at about 1,000 levels
+    (it was a 500 with a traceback logged, for every such request)."""
+    for depth in (1000, 5000, 200_000):
+        for body in (b'{"prompt": "hi", "max_tokens": 1, "user": ' + nested(depth) + b"}",
+                     b'{"prompt": "hi", "x": ' + nested(depth) + b"}",
+                     b'{"messages": ' + nested(depth) + b"}", b'{"prompt": ' + nested(depth) + b"}",
+                     nested(depth)):
+            status, answer = send(worker.url, path, body)
+            assert status == 400, (path, depth, answer[:300])
+            assert json.loads(answer)["error"]["type"] == "invalid_request_error"
+    assert_serves(worker.url, COMPLETIONS)
+
+
 @pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
 def test_a_cluster_answers_whatever_it_is_sent(cluster, path):
     ctx, gen, orch = cluster

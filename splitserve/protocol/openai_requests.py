@@ -224,6 +224,8 @@ def _decode(decoder: msgspec.json.Decoder, body: bytes):
         raise InvalidRequestError(f"Invalid request body: {exc}", path or None) from None
     except msgspec.DecodeError as exc:
         raise InvalidRequestError(f"Request body is not valid JSON: {exc}") from None
+    except RecursionError:    # msgspec parses nested arrays and objects recursively
+        raise InvalidRequestError("Request body nests arrays or objects too deeply") from None
 
 
 _ERROR_PATH = re.compile(r" - at `\$(.*)`$")

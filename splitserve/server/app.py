@@ -266,6 +266,8 @@ def _decode(struct, body: bytes):
         raise InvalidRequestError(str(exc)) from None
     except msgspec.DecodeError:
         raise InvalidRequestError("the request body is not valid JSON") from None
+    except RecursionError:
+        raise InvalidRequestError("the request body nests arrays or objects too deeply") from None
 
 
 def run_loop(main) -> None:
