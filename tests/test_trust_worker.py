@@ -3,8 +3,10 @@ disaggregated_params only with the cluster's internal secret (no engine work, no
 for anything refused)."""
 
 import json
+import math
 import select
 import socket
+import time
 
 import pytest
 
@@ -154,3 +156,26 @@ def test_a_worker_without_a_secret_refuses_every_internal_request(no_secret_work
             assert status == 403, answer
             assert "has no internal secret configured" in answer["error"]["message"]
     assert generated(url) == before
+
+
+def e2e_seconds(url: str) -> float:
+    """The e2e latency histogram's sum (arrival, or a believed X-Sent-At, to the last token)."""
+    return next(v for k, v in metrics(url).items() if k.endswith("e2e_request_latency_seconds_sum"))
+
+
+def test_only_an_internal_sender_sets_when_a_request_was_sent(worker):
+    """X-Sent-At moves a request's arrival back (the orchestrator's send time): a public
+    client's is ignored, and an internal one is believed only within the last hour."""
+    now = time.time()
+    before = e2e_seconds(worker.url)
+    for sent in (repr(now - 1000), "nan", "inf", "-inf", "-1e300", "1e300", "x"):
+        assert call("POST", worker.url + "/v1/completions", PROMPT,
+                    {**AUTH, "X-Sent-At": sent})[0] == 200
+    for sent in ("nan", "inf", repr(now + 1000), repr(now - 10_000)):
+        assert call("POST", worker.url + "/v1/completions", PROMPT,
+                    {**INTERNAL, "X-Sent-At": sent})[0] == 200
+    after = e2e_seconds(worker.url)
+    assert math.isfinite(after) and after - before < 60, (before, after)
+    assert call("POST", worker.url + "/v1/completions", PROMPT,
+                {**INTERNAL, "X-Sent-At": repr(time.time() - 100)})[0] == 200
+    assert e2e_seconds(worker.url) - after >= 100

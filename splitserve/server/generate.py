@@ -25,7 +25,7 @@ from splitserve.server.admission import (
     engine_requests, relay_fields, relayed_prompt, request_kind)
 from splitserve.server.engine_client import EngineDeadError
 from splitserve.tokens import PromptTokens
-from splitserve.trust import NotInternal
+from splitserve.trust import Gate, NotInternal
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ class GenerateHandlers:
 
     @_counted
     async def completions(self, request: Request) -> Response | ChunkedStream:
-        arrival = _arrival(request)
+        arrival = _arrival(request, self.server.gate)
         self.server.admit()
         req = decode_completion_request(request.body)
         self._internal_only(request, req)
@@ -75,7 +75,7 @@ class GenerateHandlers:
 
     @_counted
     async def chat(self, request: Request) -> Response | ChunkedStream:
-        arrival = _arrival(request)
+        arrival = _arrival(request, self.server.gate)
         self.server.admit()
         req = decode_chat_request(request.body)
         self._internal_only(request, req)
@@ -274,14 +274,24 @@ async def echo_back(deltas, server) -> tuple[AsyncIterator, list[EchoPrompt]]:
     return again(), echo
 
 
-def _arrival(request: Request) -> float:
-    """When the sender wrote the request (its X-Sent-At header, same host clock), else now:
-    so time queued in front of this event loop counts in the preprocessing metrics."""
+SENT_AT_MAX_AGE = 3600.0    # seconds: an X-Sent-At older than this is not believed
+
+
+def _arrival(request: Request, gate: Gate) -> float:
+    """When the sender wrote the request (its X-Sent-At header), else now: so time queued in
+    front of this event loop counts in the preprocessing metrics. Only an internal request
+    (the orchestrator's, a benchmark's with the secret) is believed, and only a time in the
+    last hour: a public client's header, a clock ahead of ours, NaN or inf would skew every
+    histogram's sum for good."""
+    now = time.time()
     sent = request.header("X-Sent-At")
+    if not sent or not gate.internal(request.header):
+        return now
     try:
-        return float(sent) if sent else time.time()
+        at = float(sent)
     except ValueError:
-        return time.time()
+        return now
+    return at if now - SENT_AT_MAX_AGE <= at <= now else now
 
 
 def token_ids_comment(token_ids: list[int]) -> bytes:
