@@ -212,6 +212,25 @@ def test_nesting_past_the_parsers_recursion_is_a_400(worker, path):
     assert_serves(worker.url, COMPLETIONS)
 
 
+@pytest.mark.parametrize("path,field", [(COMPLETIONS, "prompt"), (CHAT, "messages"),
+                                        ("/tokenize", "prompt"), ("/tokenize", "messages")])
+def test_a_text_past_the_context_is_refused_before_it_is_encoded(worker, path, field):
+    """64 tokens of at most 81 characters each: a longer text is a 400 naming its length,
+    without being encoded (~150x its size in memory: a 64 MiB body was ~9 GB)."""
+    for size in (64 * 81 + 1, 10_000_000):
+        text = "x" * size
+        prompt = text if path == "/tokenize" else ["hi", text]
+        body = {"prompt": prompt} if field == "prompt" else {
+            "messages": [{"role": "user", "content": text}]}
+        status, answer = send(worker.url, path, json.dumps({**body, "max_tokens": 1}).encode())
+        error = json.loads(answer)["error"]
+        assert status == 400 and error["param"] == field, answer[:300]
+        assert f"the prompt is {len(text):,} characters" in error["message"] or \
+            field == "messages", error       # (the chat template adds its own)
+        assert "maximum context length of 64 tokens" in error["message"], error
+    assert_serves(worker.url, path if path != "/tokenize" else COMPLETIONS)
+
+
 @pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
 def test_a_cluster_answers_whatever_it_is_sent(cluster, path):
     ctx, gen, orch = cluster

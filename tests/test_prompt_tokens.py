@@ -56,6 +56,16 @@ def test_what_cannot_be_counted_is_none(counter):
     assert PromptTokenizer(None).token_ids({"prompt": "text needs a tokenizer"}) is None
 
 
+def test_a_text_no_worker_context_holds_is_not_encoded(counter):
+    """tiny-random: 262,144 positions of at most 81 characters each. Past that the text is
+    not counted (its CTX refuses it, also before encoding)."""
+    limit = counter.max_tokens * counter.tokenizer.max_token_chars
+    assert counter.max_tokens == 262_144
+    assert counter.token_ids({"prompt": "x" * (limit + 1)}) is None
+    assert counter.token_ids({"messages": [{"role": "user", "content": "x" * limit}]}) is None
+    assert len(counter.token_ids({"prompt": "ab" * 1000})) == 1000
+
+
 # -- the decision ------------------------------------------------------------------------
 class _Headers:
     """A client request as the decision reads it: its headers."""

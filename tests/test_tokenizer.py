@@ -147,3 +147,40 @@ def test_encode_decode_from_threads(tok):
         decoded = list(pool.map(tok.decode, got))
     assert got == expected
     assert decoded == texts
+
+
+def test_a_text_of_the_longest_tokens_is_measured_exactly(tok):
+    """The bound is tight: k copies of the longest token are k tokens and k * max chars."""
+    longest = max(range(tok.vocab_size), key=lambda i: len(tok.id_to_token(i)))
+    piece = tok.decode([longest], skip_special_tokens=False)
+    assert len(piece) == tok.max_token_chars == 81        # "\n" and 80 spaces
+    for k in (1, 7, 50):
+        n = len(tok.encode(piece * k))
+        assert n == k and not tok.surely_too_long(piece * k, n)
+        assert tok.surely_too_long(piece * k, n - 1)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 49151), min_size=1, max_size=60), st.integers(0, 80))
+def test_a_text_called_too_long_never_fits(tok, ids, limit):
+    """Texts made of vocabulary tokens (long ones, special ones, any): surely_too_long(text,
+    m) only if the text encodes to more than m tokens."""
+    text = tok.decode(ids, skip_special_tokens=False)
+    n = len(tok.encode(text, add_special_tokens=False))
+    assert not tok.surely_too_long(text, n)
+    assert not tok.surely_too_long(text, limit) or n > limit
+
+
+def test_a_normalizer_that_shrinks_text_is_counted_after_it():
+    from tokenizers import Tokenizer as Backend, models, normalizers, pre_tokenizers
+
+    from splitserve.model.tokenizer import Tokenizer
+    backend = Backend(models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    backend.normalizer = normalizers.Sequence([normalizers.NFD(), normalizers.StripAccents()])
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    t = Tokenizer(backend, bos_token_id=None, eos_token_ids=(), chat_template=None,
+                  add_bos=False, name="strip-accents")
+    assert t.max_token_chars == 5
+    marks = "a" + "\u0301" * 1000                     # one accented "a": 1 token
+    assert len(t.encode(marks)) == 1 and not t.surely_too_long(marks, 1)
+    assert t.surely_too_long("a " * 1000, 199) and not t.surely_too_long("a " * 1000, 1000)

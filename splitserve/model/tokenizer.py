@@ -55,6 +55,10 @@ class Tokenizer:
         if bos_token_id is not None:
             special.add(bos_token_id)
         self._special_ids = frozenset(special)
+        # The longest token's text (as the vocabulary spells it: a byte-level BPE one char
+        # per byte, a byte-fallback piece 6 chars for 1 byte): no token covers more of the
+        # normalized text than this.
+        self.max_token_chars = max(map(len, tk.get_vocab(with_added_tokens=True)), default=1)
 
     def replace(self, **changes) -> Tokenizer:
         """A copy with some constructor keywords changed, sharing the (immutable) backend."""
@@ -79,6 +83,19 @@ class Tokenizer:
         if isinstance(ids, np.ndarray):
             ids = ids.tolist()
         return self._tk.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def surely_too_long(self, text: str, max_tokens: int) -> bool:
+        """Whether text surely encodes to more than max_tokens tokens, found without
+        encoding it (which takes ~150x the text's size in memory): each token covers at
+        most max_token_chars characters of the normalized text. O(len(text)) at most (a
+        normalizer's copy, for a text past the bound only). Characters the vocabulary has
+        no token for are dropped by encode (tests/test_tokenizer.py), yet count here: a
+        text padded with them is refused."""
+        limit = max_tokens * self.max_token_chars
+        if len(text) <= limit:
+            return False
+        normalizer = self._tk.normalizer
+        return normalizer is None or len(normalizer.normalize_str(text)) > limit
 
     @property
     def vocab_size(self) -> int:

@@ -42,7 +42,11 @@ class PromptTokenizer:
     """The workers' tokenizer (model: a name or path load_model_source takes; None: none)."""
 
     def __init__(self, model: str | None):
-        self.tokenizer = load_model_source(model).tokenizer if model else None
+        source = load_model_source(model) if model else None
+        self.tokenizer = source.tokenizer if source else None
+        # No worker's context is longer: a text surely past it is not encoded here (the
+        # worker refuses it before encoding too).
+        self.max_tokens = source.config.max_position_embeddings if source else 0
 
     @staticmethod
     def surely_within(body: dict, limit: int) -> bool:
@@ -65,20 +69,25 @@ class PromptTokenizer:
             if self.tokenizer is None:
                 return None
             if isinstance(prompt, str):
-                return self.tokenizer.encode(prompt)
+                return self._encode(prompt, True)
             if "messages" not in body or "prompt" in body:
                 return None
             return self._chat_ids(body)
         except Exception:   # bad ids, a template that raises: the worker's 400 says why
             return None
 
-    def _chat_ids(self, body: dict) -> np.ndarray:
+    def _chat_ids(self, body: dict) -> np.ndarray | None:
         req = msgspec.convert({k: body[k] for k in _CHAT_FIELDS if k in body},
                               ChatCompletionRequest)
         text = self.tokenizer.apply_chat_template(
             req.conversation(), add_generation_prompt=req.add_generation_prompt,
             **(req.chat_template_kwargs or {}))
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self._encode(text, False)
+
+    def _encode(self, text: str, add_special_tokens: bool) -> np.ndarray | None:
+        if self.tokenizer.surely_too_long(text, self.max_tokens):
+            return None
+        return self.tokenizer.encode(text, add_special_tokens)
 
 
 def block_hashes(ids: np.ndarray, block_sizes) -> dict[int, list[bytes]]:

@@ -54,6 +54,19 @@ def check_prompts(prompts: list[PromptTokens], params: SamplingParams, ready: En
                 f"to generate)", "max_tokens")
 
 
+def encode_prompt(tokenizer, text: str, max_model_len: int, param: str,
+                  add_special_tokens: bool = True) -> PromptTokens:
+    """A text prompt's ids (blocking: run it in the tokenizer pool). A text that surely
+    cannot fit the context is refused before it is encoded (a 64 MiB body encoded costs
+    ~9 GB)."""
+    if tokenizer.surely_too_long(text, max_model_len):
+        raise InvalidRequestError(
+            f"the prompt is {len(text):,} characters: more than this model's maximum context "
+            f"length of {max_model_len} tokens can hold (at most "
+            f"{max_model_len * tokenizer.max_token_chars:,} characters)", param)
+    return PromptTokens(tokenizer.encode(text, add_special_tokens))
+
+
 def relayed_prompt(req, params: SamplingParams) -> tuple[list[PromptTokens], RemotePrefill, str]:
     """generation_only: the prompt arrives from the context worker's answer as an int32
     array (b64), a JSON list (list) or only its length (metadata: whatever reads its values,

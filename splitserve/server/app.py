@@ -18,6 +18,7 @@ from splitserve.httpd import ChunkedStream, HTTPServer, Request, Response, json_
 from splitserve.httpd.limits import LISTEN_BACKLOG
 from splitserve.model.loader import load_model_source
 from splitserve.protocol.openai import error_body
+from splitserve.server.admission import encode_prompt
 from splitserve.server.config import ServerConfig
 from splitserve.server.engine_client import EngineClient, EngineDeadError
 from splitserve.server.engine_link import EngineLink
@@ -188,16 +189,18 @@ class WorkerServer:
 
     async def tokenize(self, request: Request) -> Response:
         body = _decode(_TokenizeBody, request.body)
-        tok = self.tokenizer
+        tok, max_len = self.tokenizer, self.engine.ready.max_model_len
         if (body.prompt is None) == (body.messages is None):
             raise InvalidRequestError("send exactly one of prompt or messages", "prompt")
         if body.messages is not None:
             text = await self.in_pool(lambda: tok.apply_chat_template(body.messages))
-            ids = await self.in_pool(lambda: tok.encode(text, add_special_tokens=False))
+            ids = await self.in_pool(lambda: encode_prompt(tok, text, max_len, "messages",
+                                                           add_special_tokens=False))
         else:
-            ids = await self.in_pool(lambda: tok.encode(body.prompt, body.add_special_tokens))
-        return json_response({"tokens": ids.tolist(), "count": len(ids),
-                              "max_model_len": self.engine.ready.max_model_len})
+            ids = await self.in_pool(lambda: encode_prompt(tok, body.prompt, max_len, "prompt",
+                                                           body.add_special_tokens))
+        return json_response({"tokens": ids.array.tolist(), "count": len(ids),
+                              "max_model_len": max_len})
 
     async def detokenize(self, request: Request) -> Response:
         body = _decode(_DetokenizeBody, request.body)

@@ -22,7 +22,7 @@ from splitserve.protocol.openai import (
     DONE, ChatCompletionRequest, CompletionRequest, EchoPrompt, ResponseAccumulator,
     StreamEncoder, decode_chat_request, decode_completion_request, response_id, sse_error)
 from splitserve.server.admission import (
-    engine_requests, relay_fields, relayed_prompt, request_kind)
+    encode_prompt, engine_requests, relay_fields, relayed_prompt, request_kind)
 from splitserve.server.engine_client import EngineDeadError
 from splitserve.tokens import PromptTokens
 from splitserve.trust import Gate, NotInternal
@@ -85,15 +85,15 @@ class GenerateHandlers:
             prompts, remote, mode = relayed_prompt(req, params)
             self.server.metrics.token_relay.labels(mode).inc()
             return await self._respond(request, req, prompts, params, (), arrival, remote)
-        tok = self.server.tokenizer
+        tok, max_len = self.server.tokenizer, self.server.engine.ready.max_model_len
         kwargs = req.chat_template_kwargs or {}
 
-        def render() -> np.ndarray:
+        def render() -> PromptTokens:
             text = tok.apply_chat_template(req.conversation(),
                                            add_generation_prompt=req.add_generation_prompt, **kwargs)
-            return tok.encode(text, add_special_tokens=False)
-        ids = await self.server.in_pool(render)
-        return await self._respond(request, req, [PromptTokens(ids)], params, (), arrival)
+            return encode_prompt(tok, text, max_len, "messages", add_special_tokens=False)
+        prompt = await self.server.in_pool(render)
+        return await self._respond(request, req, [prompt], params, (), arrival)
 
     def _internal_only(self, request: Request, req) -> None:
         """The front door (WorkerServer.dispatch) refused a body carrying
@@ -104,7 +104,9 @@ class GenerateHandlers:
     async def _completion_prompts(self, req: CompletionRequest):
         items, tok = req.prompts(), self.server.tokenizer
         if isinstance(items[0], str):
-            prompts = await self.server.in_pool(lambda: [PromptTokens(tok.encode(p)) for p in items])
+            max_len = self.server.engine.ready.max_model_len
+            prompts = await self.server.in_pool(
+                lambda: [encode_prompt(tok, p, max_len, "prompt") for p in items])
             return prompts, items
         prompts = [PromptTokens.from_list(ids) for ids in items]
         texts = [""] * len(prompts)
