@@ -127,6 +127,11 @@ BAD = [
     ({"prompt": "x", "max_tokens": 10**7}, 400, "max_tokens"),
     ({"prompt": "x", "model": "no-such-model"}, 404, "model"),
     ({"prompt": "x" * 300_000}, 413, None),
+    # prompt logprobs: 2,000 tokens x n = 25 x 21 = 1,050,000 entries, past 2^20
+    ({"prompt": [[7] * 1000] * 2, "n": 25, "prompt_logprobs": 20, "max_tokens": 1}, 400,
+     "prompt_logprobs"),
+    ({"prompt": [[7] * 1000] * 2, "n": 25, "echo": True, "logprobs": 20, "max_tokens": 1}, 400,
+     "logprobs"),
 ]
 
 
@@ -137,6 +142,15 @@ def test_bad_input_gets_openai_error_and_server_keeps_serving(worker, body, stat
     assert set(err["error"]) == {"message", "type", "param", "code"} and err["error"]["message"]
     assert err["error"]["param"] == param
     assert completion(worker, prompt="still alive?", max_tokens=2)[0] == 200
+
+
+def test_prompt_logprobs_up_to_the_bound_are_served(worker):
+    """2^20 entries: 1,000 tokens x n = 49 x 21 = 1,029,000 (one more choice is refused)."""
+    status, body = completion(worker, prompt=[[7] * 1000], n=49, prompt_logprobs=20, max_tokens=1)
+    assert status == 200 and len(body["choices"]) == 49, body
+    assert all(len(c["prompt_logprobs"]) == 1000 for c in body["choices"])
+    status, body = completion(worker, prompt=[[7] * 1000], n=50, prompt_logprobs=20, max_tokens=1)
+    assert status == 400 and body["error"]["param"] == "prompt_logprobs", body
 
 
 def test_tokenize_detokenize(worker, offline):

@@ -10,6 +10,11 @@ from splitserve.protocol.engine import EngineReady, EngineRequest, RemotePrefill
 from splitserve.sampling_params import SamplingParams
 from splitserve.tokens import PromptTokens
 
+# Prompt logprobs in one response: every choice (n of each prompt) carries its prompt's, k
+# alternatives and the prompt token at each position. 2^20 entries are ~60 MB of JSON; a
+# full 8,192-token prompt at k = 20 fits six times.
+MAX_PROMPT_LOGPROB_ENTRIES = 1 << 20
+
 _KINDS = {None: RequestKind.AGGREGATED, "context_only": RequestKind.CONTEXT_ONLY,
           "generation_only": RequestKind.GENERATION_ONLY}
 
@@ -25,6 +30,7 @@ def engine_requests(req, rid: str, prompts: list[PromptTokens], params: Sampling
     """One EngineRequest per prompt (ids rid, or rid-0, rid-1, ... for several), once every
     check that names a client's parameter passed; and the resumed output, if any."""
     check_prompts(prompts, params, ready)
+    check_prompt_logprobs(req, prompts, params)
     kind = request_kind(req)
     if kind != RequestKind.AGGREGATED and len(prompts) > 1:
         raise InvalidRequestError("a disaggregated request takes one prompt", "prompt")
@@ -52,6 +58,22 @@ def check_prompts(prompts: list[PromptTokens], params: SamplingParams, ready: En
                 f"this model's maximum context length is {ready.max_model_len} tokens; the "
                 f"request asks for {want} ({len(p)} in the prompt, {params.max_tokens or 1} "
                 f"to generate)", "max_tokens")
+
+
+def check_prompt_logprobs(req, prompts: list[PromptTokens], params: SamplingParams) -> None:
+    """Prompt logprobs (asked for, or echo with logprobs) multiply: prompt tokens x n x
+    (k + 1) entries, all built into one response."""
+    k = params.prompt_logprobs
+    if k is None:
+        return
+    tokens = sum(len(p) for p in prompts)
+    entries = tokens * params.n * (k + 1)
+    if entries > MAX_PROMPT_LOGPROB_ENTRIES:
+        param = "prompt_logprobs" if getattr(req, "prompt_logprobs", None) is not None else "logprobs"
+        raise InvalidRequestError(
+            f"prompt logprobs would return {entries:,} entries ({tokens:,} prompt tokens x n = "
+            f"{params.n} x {k + 1} per position); at most {MAX_PROMPT_LOGPROB_ENTRIES:,} per "
+            f"request: ask for fewer alternatives, choices or prompts", param)
 
 
 def encode_prompt(tokenizer, text: str, max_model_len: int, param: str,

@@ -146,7 +146,10 @@ class GenerateHandlers:
                 kv_handle=relayed_handle(handoff.kv_handle, req.disaggregated_params.token_relay),
                 token_relay=req.disaggregated_params.token_relay,
                 **relay_fields(req.disaggregated_params.token_relay, prompts[0]))}
-        return Response(acc.body(extra))
+        if params.prompt_logprobs is None:
+            return Response(acc.body(extra))
+        # up to MAX_PROMPT_LOGPROB_ENTRIES entries to shape: seconds of CPU, in the pool
+        return Response(await self.server.in_pool(lambda: acc.body(extra)))
 
     async def _stream(self, request, req, deltas, observe, kwargs) -> ChunkedStream:
         """The head goes out first; whatever fails after it (the engine died, a bug) ends
