@@ -37,17 +37,30 @@ class StreamTap:
         self.finished = False          # an event carried a finish_reason
         self.done = False              # [DONE] went out
         self.first_event: bytes | None = None   # its id and created time, decoded if needed
-        self._rest = b""               # an unfinished event, held until its end arrives
+        self._rest = bytearray()       # an unfinished event, held until its end arrives
 
     def feed(self, chunk: bytes) -> bytes:
-        """GEN's bytes -> the bytes to send the client: whole events, ids comments removed."""
-        data = self._rest + chunk if self._rest else chunk
-        end = data.rfind(b"\n\n")
+        """GEN's bytes -> the bytes to send the client: whole events, ids comments removed.
+        ValueError: token ids that are not numbers, an event past MAX_ANSWER_BYTES."""
+        if self._rest:     # each byte is searched once, wherever the event's end falls
+            start = len(self._rest) - 1
+            self._rest += chunk
+            end = self._rest.rfind(b"\n\n", start)
+            whole = bytes(self._rest[:end + 2]) if end >= 0 else b""
+        else:
+            end = chunk.rfind(b"\n\n")
+            if end >= 0 and end + 2 == len(chunk):
+                return self._whole(chunk)
+            self._rest += chunk
+            whole = chunk[:end + 2] if end >= 0 else b""
         if end < 0:
-            self._rest = data
+            if len(self._rest) > upstream.MAX_ANSWER_BYTES:
+                raise ValueError(f"an event longer than {upstream.MAX_ANSWER_BYTES} bytes")
             return b""
-        self._rest = data[end + 2:]
-        whole = data[:end + 2]
+        del self._rest[:end + 2]
+        return self._whole(whole)
+
+    def _whole(self, whole: bytes) -> bytes:
         if IDS not in whole and self.first_event is not None:
             self._note(whole)
             return whole
@@ -155,7 +168,11 @@ async def carry_on(pools, path: str, resp, tap: StreamTap, body: dict, info,
             server.in_flight -= 1
             continue
         try:
-            problem = await stream.relay(held, resp, config.idle_timeout, Continuation(tap).feed)
+            try:
+                feed = Continuation(tap).feed
+            except (ValueError, AttributeError):    # the first stream's first event
+                return stream.MALFORMED
+            problem = await stream.relay(held, resp, config.idle_timeout, feed)
         finally:
             held.response.close()
             server.in_flight -= 1

@@ -92,6 +92,25 @@ class Tries:
         self.metric.labels(pool.name, exc.reason).inc()
 
 
+def _handoff(body: dict, status: int, answer: dict) -> dict | None:
+    """A CTX answer's disaggregated_params to hand to a GEN; None: the CTX ended the request
+    (or refused it) and its answer goes to the client. Retry: an answer shaped so that
+    neither can be done (only what is read here is checked; a GEN checks the handoff)."""
+    params = answer.get("disaggregated_params") if status == 200 else None
+    if params is not None and not isinstance(params, dict):
+        raise Retry("malformed", "answered disaggregated_params that are not an object")
+    if params and params.get("kv_handle"):
+        if not isinstance(params["kv_handle"], dict):
+            raise Retry("malformed", "answered a kv_handle that is not an object")
+        return params
+    choices = answer.get("choices", [])
+    if status == 200 and body.get("stream") and not (isinstance(choices, list) and all(
+            isinstance(c, dict) and isinstance(c.get("index"), int)
+            and isinstance(c.get("message") or {}, dict) for c in choices)):
+        raise Retry("malformed", "answered choices that are not objects with an index")
+    return None
+
+
 class Pools:
     """Both pools, the HTTP client session to their workers, and their health checks."""
 
@@ -127,8 +146,8 @@ class Pools:
                                      if migratable else (None, None))
                     return await self._generate_on(server, request, gen_data, tap, carry_on), None
                 status, answer = await self._prefill(server, request.path, ctx_data)
-                params = answer.get("disaggregated_params") if status == 200 else None
-                if not params or not params.get("kv_handle"):
+                params = _handoff(body, status, answer)
+                if params is None:
                     return stream.ctx_answer(body, status, answer), "ctx_only"
                 ctx_done = time.time()
                 gen_data = orjson.dumps(relay.generation_body(body, params, migratable))

@@ -22,10 +22,23 @@ logger = logging.getLogger(__name__)
 
 BROKE = "the generation worker stopped while streaming this response; it is incomplete"
 ENDED = "the generation worker ended this response early; it is incomplete"
+MALFORMED = "the generation worker sent a malformed stream; this response is incomplete"
 
 
 class _Broken(Exception):
     """Reading GEN's stream failed (as opposed to writing to the client)."""
+
+
+class _Malformed(Exception):
+    """What GEN streamed cannot be read (its cause says why): token ids that are not
+    numbers, an event past MAX_ANSWER_BYTES, a continuation's event that is not JSON."""
+
+
+def _fed(feed, chunk: bytes) -> bytes:
+    try:
+        return feed(chunk)
+    except (ValueError, TypeError, LookupError, AttributeError) as exc:
+        raise _Malformed() from exc
 
 
 class _IdleWatch:
@@ -82,15 +95,15 @@ async def forward(request: Request, held: Held, idle: float, tap=None,
 async def relay(held: Held, resp: ChunkedStream, idle: float, feed=None) -> str | None:
     """GEN's bytes (its held head first) to the client until GEN's end, each through
     feed(bytes) -> bytes if given; what went wrong, in the client's terms."""
-    last = feed(held.head) if feed is not None else held.head
-    if last:
-        await resp.write(last)
     try:
+        last = _fed(feed, held.head) if feed is not None else held.head
+        if last:
+            await resp.write(last)
         async with asyncio.timeout(None) as deadline:
             watch = _IdleWatch(deadline, idle)
             try:
                 while chunk := await watch.read(held.response.content):
-                    if feed is not None and not (chunk := feed(chunk)):
+                    if feed is not None and not (chunk := _fed(feed, chunk)):
                         continue
                     await resp.write(chunk)   # the client gone: raises, the handler ends
                     # [DONE] may be split across chunks: keep enough of the end to see it
@@ -103,6 +116,9 @@ async def relay(held: Held, resp: ChunkedStream, idle: float, feed=None) -> str 
     except _Broken as exc:
         logger.warning("orch: generation stream broke: %s", exc)
         return BROKE
+    except _Malformed as exc:
+        logger.warning("orch: generation stream is malformed: %r", exc.__cause__)
+        return MALFORMED
     if not last.endswith(DONE):
         logger.warning("orch: generation stream ended without [DONE]")
         return ENDED

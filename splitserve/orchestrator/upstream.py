@@ -19,6 +19,10 @@ import orjson
 from splitserve.orchestrator.relay import SSE
 
 _EVENT_END = b"\n\n"
+# A worker's whole answer, or one SSE event of its stream, held in memory: past this the
+# worker is sending garbage (a legitimate answer is far smaller; the largest, prompt
+# logprobs, are bounded at 2^20 entries, ~80 MB).
+MAX_ANSWER_BYTES = 256 << 20
 
 
 class Retry(Exception):
@@ -71,12 +75,15 @@ async def post_json(session: aiohttp.ClientSession, url: str, data: bytes,
     with _failures():
         async with asyncio.timeout(first_byte_timeout):
             async with session.post(url, data=data, headers=_headers()) as r:
-                status, raw = r.status, await r.read()
+                status, raw = r.status, await _whole(r)
     _check_status(status, raw)
     try:
-        return status, orjson.loads(raw)
+        answer = orjson.loads(raw)
     except orjson.JSONDecodeError:
         raise Retry("server_error", f"answered {status} with a body that is not JSON") from None
+    if not isinstance(answer, dict):
+        raise Retry("malformed", f"answered {status} with JSON that is not an object")
+    return status, answer
 
 
 async def open_generation(session: aiohttp.ClientSession, url: str, data: bytes,
@@ -89,7 +96,7 @@ async def open_generation(session: aiohttp.ClientSession, url: str, data: bytes,
             async with asyncio.timeout(first_byte_timeout):
                 r = await session.post(url, data=data, headers=_headers())
                 held = Held(r, b"")
-                held.head = await (_first_event(r) if held.streaming else r.read())
+                held.head = await (_first_event(r) if held.streaming else _whole(r))
         _check(held)
         return held
     except BaseException:
@@ -98,15 +105,34 @@ async def open_generation(session: aiohttp.ClientSession, url: str, data: bytes,
         raise
 
 
+async def _whole(r: aiohttp.ClientResponse) -> bytes:
+    """The answer's body, up to MAX_ANSWER_BYTES."""
+    if (r.content_length or 0) > MAX_ANSWER_BYTES:
+        raise Retry("malformed", f"answered {r.content_length} bytes, past {MAX_ANSWER_BYTES}")
+    buf = bytearray()
+    while chunk := await r.content.readany():
+        buf += chunk
+        if len(buf) > MAX_ANSWER_BYTES:
+            raise Retry("malformed", f"answered more than {MAX_ANSWER_BYTES} bytes")
+    return bytes(buf)
+
+
 async def _first_event(r: aiohttp.ClientResponse) -> bytes:
-    """Up to the first data event: comment lines before it (token ids) do not count."""
-    buf = b""
-    while (i := buf.find(b"data:")) < 0 or buf.find(_EVENT_END, i) < 0:
+    """Up to the first data event: comment lines before it (token ids) do not count. Each
+    chunk is searched once (with the bytes an edge could split)."""
+    buf, data = bytearray(), -1
+    while True:
         chunk = await r.content.readany()
         if not chunk:
             raise Retry("disconnected", "the stream ended before its first event")
+        start = len(buf)
         buf += chunk
-    return buf
+        if data < 0:
+            data = buf.find(b"data:", max(start - 4, 0))
+        if data >= 0 and buf.find(_EVENT_END, max(start - 1, data)) >= 0:
+            return bytes(buf)
+        if len(buf) > MAX_ANSWER_BYTES:
+            raise Retry("malformed", f"sent {MAX_ANSWER_BYTES} bytes without a whole first event")
 
 
 def _check_status(status: int, raw: bytes) -> None:
