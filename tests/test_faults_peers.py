@@ -16,7 +16,7 @@ import threading
 
 import pytest
 
-from server_utils import Orchestrator, alive, stream
+from server_utils import Orchestrator, alive, get, stream, wait_for
 
 PROMPT = {"model": "tiny-random", "prompt": "Once upon a time", "max_tokens": 4}
 HANDOFF = {"id": "cmpl-ctx", "object": "text_completion", "created": 1, "model": "tiny-random",
@@ -45,9 +45,9 @@ class Peer(http.server.ThreadingHTTPServer):
 
     daemon_threads = True
 
-    def __init__(self, answer):
+    def __init__(self, answer, health=None):
         super().__init__(("127.0.0.1", 0), _Handler)
-        self.answer, self.requests = answer, 0
+        self.answer, self.health, self.requests = answer, health, 0
         threading.Thread(target=self.serve_forever, daemon=True).start()
 
     @property
@@ -62,6 +62,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         pass
 
     def do_GET(self) -> None:
+        if self.server.health is not None:
+            try:
+                return self.server.health(self)
+            except (BrokenPipeError, ConnectionResetError):
+                return
         body = json.dumps({"status": "ok", "load": {"running": 0, "waiting": 0,
                                                     "in_flight": 0}}).encode()
         self.send_response(200)
@@ -223,3 +228,25 @@ def test_a_gen_whole_answer_that_never_ends_fails_its_request_clearly(cluster):
     status, body = post(orch.url, PROMPT)
     assert status in (502, 503) and "generation worker" in body["error"]["message"], body
     serves_normally(ctx, gen, orch)
+
+
+def test_a_gen_whose_health_never_ends_is_marked_down_and_read_no_further(tmp_path):
+    """/health is read up to 1 MiB (it is polled every 0.5 s for 2 s each: unbounded, that
+    was gigabytes held by the orchestrator)."""
+    ctx, gen = Peer(good_ctx), Peer(good_gen)
+    bad = Peer(good_gen, health=lambda h: endless(h, 200, "application/json", b'{"a": "', b"x"))
+    orch = Orchestrator(tmp_path, [ctx.url], [bad.url, gen.url])
+    try:
+        def healthy() -> list:
+            return json.loads(get(orch.url + "/health")[1])["healthy"]["gen"]
+        wait_for(lambda: healthy() == [gen.url], 30, "only the good GEN healthy")
+        for _ in range(4):
+            serves_normally(ctx, gen, orch)
+        assert bad.requests == 0 and healthy() == [gen.url]
+        with open(f"/proc/{orch.proc.pid}/status") as f:
+            peak_kb = next(int(line.split()[1]) for line in f if line.startswith("VmHWM"))
+        assert peak_kb < 400 << 10, peak_kb
+    finally:
+        orch.close()
+        for p in (ctx, gen, bad):
+            p.shutdown()

@@ -14,7 +14,7 @@ import orjson
 
 from splitserve.orchestrator import migrate, relay, stream, upstream
 from splitserve.orchestrator.cluster import ClusterConfig, Server
-from splitserve.orchestrator.probes import PROBE, Probes
+from splitserve.orchestrator.probes import PROBE, PROBE_MAX_BYTES, Probes
 from splitserve.orchestrator.relay import UpstreamError
 from splitserve.orchestrator.routers import RequestInfo, make_router, route
 from splitserve.orchestrator.upstream import Retry
@@ -225,7 +225,9 @@ class Pools:
                     async with self.session.get(server.url + "/v1/models", timeout=PROBE) as r:
                         if r.status != 200:   # (a worker's refusal is not the client's answer)
                             continue
-                        return await r.read()
+                        body = await upstream.read_at_most(r, PROBE_MAX_BYTES)
+                        if body is not None:
+                            return body
                 except (aiohttp.ClientError, asyncio.TimeoutError):
                     continue
         return None

@@ -15,9 +15,12 @@ import logging
 import aiohttp
 import orjson
 
+from splitserve.orchestrator.upstream import read_at_most
+
 logger = logging.getLogger(__name__)
 
 PROBE = aiohttp.ClientTimeout(total=2.0)   # health checks, load polls and /v1/models
+PROBE_MAX_BYTES = 1 << 20                   # a /health or /v1/models body past this: garbage
 
 
 class Probes:
@@ -69,7 +72,8 @@ class Probes:
             async with self.pools.session.get(server.url + "/health", timeout=PROBE) as r:
                 healthy = r.status == 200
                 if healthy:
-                    body = await r.read()
+                    body = await read_at_most(r, PROBE_MAX_BYTES)
+                    healthy = body is not None
         except (aiohttp.ClientError, asyncio.TimeoutError):
             healthy = False
         if body:

@@ -105,16 +105,24 @@ async def open_generation(session: aiohttp.ClientSession, url: str, data: bytes,
         raise
 
 
-async def _whole(r: aiohttp.ClientResponse) -> bytes:
-    """The answer's body, up to MAX_ANSWER_BYTES."""
-    if (r.content_length or 0) > MAX_ANSWER_BYTES:
-        raise Retry("malformed", f"answered {r.content_length} bytes, past {MAX_ANSWER_BYTES}")
+async def read_at_most(r: aiohttp.ClientResponse, limit: int) -> bytes | None:
+    """The response's body; None (and no more is read) if it is longer than limit."""
+    if (r.content_length or 0) > limit:
+        return None
     buf = bytearray()
     while chunk := await r.content.readany():
         buf += chunk
-        if len(buf) > MAX_ANSWER_BYTES:
-            raise Retry("malformed", f"answered more than {MAX_ANSWER_BYTES} bytes")
+        if len(buf) > limit:
+            return None
     return bytes(buf)
+
+
+async def _whole(r: aiohttp.ClientResponse) -> bytes:
+    """The answer's body, up to MAX_ANSWER_BYTES."""
+    body = await read_at_most(r, MAX_ANSWER_BYTES)
+    if body is None:
+        raise Retry("malformed", f"answered more than {MAX_ANSWER_BYTES} bytes")
+    return body
 
 
 async def _first_event(r: aiohttp.ClientResponse) -> bytes:
