@@ -231,6 +231,18 @@ def test_a_text_past_the_context_is_refused_before_it_is_encoded(worker, path, f
     assert_serves(worker.url, path if path != "/tokenize" else COMPLETIONS)
 
 
+@pytest.mark.parametrize("path", [CHAT, "/tokenize"])
+def test_more_messages_than_the_context_has_tokens_are_not_rendered(worker, path):
+    for count in (65, 200_000):
+        body = {"messages": [{"role": "user", "content": ""}] * count, "max_tokens": 1}
+        status, answer = send(worker.url, path, json.dumps(body).encode())
+        error = json.loads(answer)["error"]
+        assert status == 400 and error["param"] == "messages", answer[:300]
+        assert error["message"] == (f"{count:,} messages cannot fit in this model's maximum "
+                                    f"context length of 64 tokens"), error
+    assert_serves(worker.url, CHAT)
+
+
 @pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
 def test_a_cluster_answers_whatever_it_is_sent(cluster, path):
     ctx, gen, orch = cluster

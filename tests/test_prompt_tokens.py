@@ -64,6 +64,9 @@ def test_a_text_no_worker_context_holds_is_not_encoded(counter):
     assert counter.token_ids({"prompt": "x" * (limit + 1)}) is None
     assert counter.token_ids({"messages": [{"role": "user", "content": "x" * limit}]}) is None
     assert len(counter.token_ids({"prompt": "ab" * 1000})) == 1000
+    many = [{"role": "user", "content": ""}] * (counter.max_tokens + 1)
+    assert counter.token_ids({"messages": many}) is None
+    assert len(counter.token_ids({"messages": many[:3]})) > 3
 
 
 # -- the decision ------------------------------------------------------------------------

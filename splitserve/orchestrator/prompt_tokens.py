@@ -77,6 +77,8 @@ class PromptTokenizer:
             return None
 
     def _chat_ids(self, body: dict) -> np.ndarray | None:
+        if len(body["messages"]) > self.max_tokens:   # (each message renders a token at least)
+            return None
         req = msgspec.convert({k: body[k] for k in _CHAT_FIELDS if k in body},
                               ChatCompletionRequest)
         text = self.tokenizer.apply_chat_template(

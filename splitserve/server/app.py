@@ -18,7 +18,7 @@ from splitserve.httpd import ChunkedStream, HTTPServer, Request, Response, json_
 from splitserve.httpd.limits import LISTEN_BACKLOG
 from splitserve.model.loader import load_model_source
 from splitserve.protocol.openai import error_body
-from splitserve.server.admission import encode_prompt
+from splitserve.server.admission import check_message_count, encode_prompt
 from splitserve.server.config import ServerConfig
 from splitserve.server.engine_client import EngineClient, EngineDeadError
 from splitserve.server.engine_link import EngineLink
@@ -193,6 +193,7 @@ class WorkerServer:
         if (body.prompt is None) == (body.messages is None):
             raise InvalidRequestError("send exactly one of prompt or messages", "prompt")
         if body.messages is not None:
+            check_message_count(len(body.messages), max_len)
             text = await self.in_pool(lambda: tok.apply_chat_template(body.messages))
             ids = await self.in_pool(lambda: encode_prompt(tok, text, max_len, "messages",
                                                            add_special_tokens=False))

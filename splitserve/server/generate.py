@@ -22,7 +22,8 @@ from splitserve.protocol.openai import (
     DONE, ChatCompletionRequest, CompletionRequest, EchoPrompt, ResponseAccumulator,
     StreamEncoder, decode_chat_request, decode_completion_request, response_id, sse_error)
 from splitserve.server.admission import (
-    encode_prompt, engine_requests, relay_fields, relayed_prompt, request_kind)
+    check_message_count, encode_prompt, engine_requests, relay_fields, relayed_prompt,
+    request_kind)
 from splitserve.server.engine_client import EngineDeadError
 from splitserve.tokens import PromptTokens
 from splitserve.trust import Gate, NotInternal
@@ -86,6 +87,7 @@ class GenerateHandlers:
             self.server.metrics.token_relay.labels(mode).inc()
             return await self._respond(request, req, prompts, params, (), arrival, remote)
         tok, max_len = self.server.tokenizer, self.server.engine.ready.max_model_len
+        check_message_count(len(req.messages), max_len)
         kwargs = req.chat_template_kwargs or {}
 
         def render() -> PromptTokens:
