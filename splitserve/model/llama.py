@@ -103,14 +103,16 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, rotary: Rotary | None = None):
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # its weight given: not initialized (load_weights writes it)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.rotary = Rotary(cfg)
+        self.rotary = rotary or Rotary(cfg)
         self.quantization: str | None = None
         self.packed = False
 
@@ -219,10 +221,13 @@ def build_model(cfg: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]],
                 pack: bool = True) -> LlamaModel:
     """Quantized weights if `quantization`, else packed ones where oneDNN supports `dtype`
     and `pack` is set, else plain nn.Linear."""
+    # On the meta device, modules are built without memory; nothing that computes runs there
+    # (torch computes on meta with Python decompositions whose import of torch._dynamo costs
+    # ~2 s a process): embeddings are not initialized and RoPE is computed on the CPU.
+    rotary = Rotary(cfg)
     with torch.device("meta"):
-        model = LlamaModel(cfg)
+        model = LlamaModel(cfg, rotary)
     model = model.to_empty(device="cpu")
-    model.rotary = Rotary(cfg)
     model.load_weights(weights)
     model = model.to(dtype).eval()
     if quantization is not None:
