@@ -19,12 +19,14 @@ def test_worker_front_end_imports_no_torch():
     assert proc.returncode == 0, proc.stderr
 
 
-def test_an_engine_builds_and_runs_without_torch_dynamo():
-    """Computing on the meta device (a module's init, RoPE tables) runs torch's Python
-    decompositions, whose import of torch._dynamo took ~2 s of every engine's start."""
+def test_an_engine_builds_and_runs_without_torch_dynamo_or_sympy():
+    """Computing on the meta device (a module's init, RoPE tables, empty_like) runs torch's
+    Python decompositions, whose imports of torch._dynamo and sympy took ~2.6 s of every
+    engine's start."""
     code = ("import sys; from splitserve import LLM, SamplingParams; "
             "llm = LLM('tiny-random', dtype='float32', num_threads=1); "
             "llm.generate(['hi'], SamplingParams(max_tokens=2, prompt_logprobs=1, n=2)); "
-            "assert 'torch._dynamo' not in sys.modules, 'torch._dynamo'")
+            "assert 'torch._dynamo' not in sys.modules, 'torch._dynamo'; "
+            "assert 'sympy' not in sys.modules, 'sympy'")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -222,12 +222,17 @@ def build_model(cfg: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]],
     """Quantized weights if `quantization`, else packed ones where oneDNN supports `dtype`
     and `pack` is set, else plain nn.Linear."""
     # On the meta device, modules are built without memory; nothing that computes runs there
-    # (torch computes on meta with Python decompositions whose import of torch._dynamo costs
-    # ~2 s a process): embeddings are not initialized and RoPE is computed on the CPU.
+    # (torch computes on meta with Python decompositions, whose imports of torch._dynamo and
+    # sympy cost ~2.6 s a process): embeddings are not initialized, RoPE is computed on the
+    # CPU, and each parameter is replaced by a CPU tensor of its shape (not to_empty's
+    # empty_like of a meta tensor).
     rotary = Rotary(cfg)
     with torch.device("meta"):
         model = LlamaModel(cfg, rotary)
-    model = model.to_empty(device="cpu")
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            module.register_parameter(name, nn.Parameter(torch.empty(p.shape, dtype=p.dtype),
+                                                         p.requires_grad))
     model.load_weights(weights)
     model = model.to(dtype).eval()
     if quantization is not None:
