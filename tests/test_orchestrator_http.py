@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from splitserve.orchestrator.app import MAX_BODY_BYTES, Orchestrator
+from splitserve.orchestrator.app import Orchestrator
 from splitserve.orchestrator.cluster import ClusterConfig, PoolConfig
 
 
@@ -21,10 +21,10 @@ def test_orchestrator_imports_no_torch():
     assert proc.returncode == 0, proc.stderr
 
 
-async def _answer(raw: bytes) -> tuple[int, bytes]:
+async def _answer(raw: bytes, **config) -> tuple[int, bytes]:
     """One request (no worker behind: 127.0.0.1:9 refuses) -> (status, body)."""
     nowhere = PoolConfig(("http://127.0.0.1:9",))
-    orch = Orchestrator(ClusterConfig(nowhere, nowhere, port=0, internal_secret="s"))
+    orch = Orchestrator(ClusterConfig(nowhere, nowhere, port=0, internal_secret="s", **config))
     await orch.start()
     try:
         reader, writer = await asyncio.open_connection("127.0.0.1", orch.http.port)
@@ -41,10 +41,22 @@ async def _answer(raw: bytes) -> tuple[int, bytes]:
 @pytest.mark.parametrize("raw, status", [
     (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + b"X-A: 1\r\n" * 101 + b"\r\n", 431),
     (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n"
-     b"Expect: 100-continue\r\n\r\n" % (MAX_BODY_BYTES + 1), 413),
+     b"Expect: 100-continue\r\n\r\n" % ((64 << 20) + 1), 413),    # the default limit
     (b"GET /nowhere HTTP/1.1\r\nHost: x\r\n\r\n", 404),
     (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\n{x}", 400),
 ])
 def test_the_orchestrator_refuses_what_a_worker_refuses(raw, status):
     got, body = asyncio.run(_answer(raw))
     assert got == status and json.loads(body)["error"]["message"]
+
+
+def test_the_body_limit_is_the_cluster_files():
+    """64 MiB by default, the workers' own default: a bigger body would reach no worker, and
+    parsing it holds the event loop (a 256 MiB one: 3.3 s here)."""
+    big = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 5000\r\n\r\n" + b" " * 5000
+    got, body = asyncio.run(_answer(big, max_body_bytes=4096))
+    assert got == 413 and b"4096" in body, body
+    got, body = asyncio.run(_answer(big, max_body_bytes=8192))
+    assert got == 400, body                  # read whole, then refused as not JSON
+    with pytest.raises(ValueError, match="max_body_bytes"):
+        ClusterConfig(PoolConfig(()), PoolConfig(()), max_body_bytes=100)

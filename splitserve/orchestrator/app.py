@@ -33,7 +33,6 @@ logger = logging.getLogger(__name__)
 NO_SECRET = ("the orchestrator needs the cluster's internal secret (the one its workers have) "
              "to call its workers: pass --internal-secret, set internal_secret in the cluster "
              "YAML, or set SPLITSERVE_INTERNAL_SECRET")
-MAX_BODY_BYTES = 256 << 20   # larger client bodies get 413
 
 
 class Orchestrator:
@@ -64,7 +63,7 @@ class Orchestrator:
             "/health": ("GET", self.health),
             "/metrics": ("GET", self.prometheus),
         }
-        self.http = HTTPServer(self.dispatch, MAX_BODY_BYTES, "orch", limits=limits,
+        self.http = HTTPServer(self.dispatch, config.max_body_bytes, "orch", limits=limits,
                                error_body=lambda message, status: error_body(
                                    message, "server_error" if status >= 500
                                    else "invalid_request_error"))
