@@ -65,15 +65,21 @@ class Registration:
             r.read()
 
     async def _heartbeat(self) -> None:
-        registered = None     # None: not tried yet; False: failing (said once)
+        registered = None     # None: not yet; False: failing (said once); True: in the pools
+        waited = 0.0          # for an orchestrator that is not listening yet
         while True:
             try:
                 await asyncio.to_thread(self._post, "/internal/workers", self.entry)
             except OSError as exc:    # urllib's errors (HTTPError: a refusal) are OSErrors
-                if registered is not False:
+                if registered is None and _gone(exc, ConnectionRefusedError) and waited < TTL:
+                    if not waited:    # starting before it (as `up`'s workers do): no warning
+                        logger.info("%s: %s does not answer yet; trying every %g s",
+                                    self.log_prefix, self.orchestrator, RETRY)
+                    waited += RETRY
+                elif registered is not False:
                     logger.warning("%s: registering with %s failed (%s); trying every %g s",
                                    self.log_prefix, self.orchestrator, exc, RETRY)
-                registered = False
+                    registered = False
                 await asyncio.sleep(RETRY)
                 continue
             if not registered:
@@ -91,4 +97,15 @@ class Registration:
                 self._post, "/internal/workers/remove", {"url": self.entry["url"]}), 6)
             logger.info("%s: left %s", self.log_prefix, self.orchestrator)
         except (OSError, asyncio.TimeoutError) as exc:
-            logger.warning("%s: leaving %s failed: %s", self.log_prefix, self.orchestrator, exc)
+            if _gone(exc, (ConnectionRefusedError, ConnectionResetError)):
+                # it stopped too (`up` on Ctrl-C signals the whole group): nothing to leave
+                logger.info("%s: %s is gone; nothing to leave", self.log_prefix,
+                            self.orchestrator)
+            else:
+                logger.warning("%s: leaving %s failed: %s", self.log_prefix,
+                               self.orchestrator, exc)
+
+
+def _gone(exc: BaseException, kinds) -> bool:
+    """The orchestrator is not there: exc, or what urllib wrapped in it, is one of kinds."""
+    return isinstance(getattr(exc, "reason", exc), kinds)
