@@ -121,6 +121,12 @@ def server_config(args, threads: int | None = None):
                         engine=engine)
 
 
+def _bad_config(command: str, exc: Exception) -> None:
+    """A flag or config file value the configuration refuses: a usage error (exit 2) that
+    names it, not a traceback."""
+    build_parser().error(f"{command}: {exc}")
+
+
 def _place_worker(args):
     """The worker's CPU plan (splitserve/placement.py): pins this process, the front-end,
     and hands the engine process its CPUs through the environment it inherits."""
@@ -156,16 +162,25 @@ def _stop_when_parent_is_gone() -> None:
 
 def _serve(args) -> int:
     from splitserve import envs
+    from splitserve.errors import ModelLoadError
     from splitserve.server.app import serve
+    from splitserve.server.engine_process import EngineDeadError
     if envs.parent_stdin():
         _stop_when_parent_is_gone()
-    plan = _place_worker(args)
-    config = server_config(args, plan.engine_threads)
+    try:
+        plan = _place_worker(args)
+        config = server_config(args, plan.engine_threads)
+    except ValueError as exc:
+        _bad_config("serve", exc)
     # The resolved dtype is logged once the engine is ready ("serving <model> (<dtype>)"):
     # resolving auto needs torch, which only the engine process loads.
     logging.getLogger(__name__).info("%s:%d: %s", args.role, args.port,
                                      plan.describe(config.api_server_count))
-    serve(config)
+    try:
+        serve(config)
+    except (ModelLoadError, EngineDeadError) as exc:   # what kept it from starting
+        logging.getLogger(__name__).error("%s:%d: %s", args.role, args.port, exc)
+        return 1
     return 0
 
 
@@ -176,22 +191,26 @@ def _orchestrator(args) -> int:
     from splitserve.orchestrator import fleet
     from splitserve.orchestrator.app import NO_SECRET, run_orchestrator
     from splitserve.orchestrator.cluster import ClusterConfig
+    import yaml
     if args.fleet_child:
         return fleet.run_child(args.fleet_child)
     if not args.config:
         build_parser().error("orchestrator: -c/--config is required")
-    config = ClusterConfig.from_yaml(args.config)
-    overrides = {k: v for k, v in (("host", args.host), ("port", args.port),
-                                   ("max_in_flight", args.max_in_flight),
-                                   ("processes", args.processes)) if v is not None}
-    # The command line, then the YAML, then the environment.
-    overrides["api_key"] = args.api_key or config.api_key or envs.api_key()
-    overrides["internal_secret"] = (args.internal_secret or config.internal_secret
-                                    or envs.internal_secret())
-    if not overrides["internal_secret"]:
-        logging.getLogger("splitserve.orchestrator").error("orch: %s", NO_SECRET)
-        return 2
-    config = replace(config, **overrides)
+    try:
+        config = ClusterConfig.from_yaml(args.config)
+        overrides = {k: v for k, v in (("host", args.host), ("port", args.port),
+                                       ("max_in_flight", args.max_in_flight),
+                                       ("processes", args.processes)) if v is not None}
+        # The command line, then the YAML, then the environment.
+        overrides["api_key"] = args.api_key or config.api_key or envs.api_key()
+        overrides["internal_secret"] = (args.internal_secret or config.internal_secret
+                                        or envs.internal_secret())
+        if not overrides["internal_secret"]:
+            logging.getLogger("splitserve.orchestrator").error("orch: %s", NO_SECRET)
+            return 2
+        config = replace(config, **overrides)
+    except (ValueError, OSError, yaml.YAMLError) as exc:
+        _bad_config("orchestrator", exc)
     if config.processes > 1:
         asyncio.run(fleet.run_fleet(config, args.log_level))
     else:

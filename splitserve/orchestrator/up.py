@@ -134,21 +134,26 @@ def up(args) -> int:
     pin_process(plan.orchestrator_cpus, "orchestrator")
     logger.info("up: orchestrator on CPUs %s", format_cpus(plan.orchestrator_cpus))
     secret_env = cluster_secrets(args)
-    children = start_workers(args, plan, secret_env)
-    supervisor = Supervisor(children)
-    # Signals during startup must still stop the children.
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    limits = {k: getattr(args, k) for k in ("max_in_flight", "first_byte_timeout",
+                                            "idle_timeout") if getattr(args, k) is not None}
+    # No urls: the workers register (--register) and come and go like any others. Built
+    # before any worker starts: a value it refuses is a usage error, with nothing to stop.
     try:
-        wait_healthy(supervisor.processes(), [c.url for c in children], args.start_timeout)
-        limits = {k: getattr(args, k) for k in ("max_in_flight", "first_byte_timeout",
-                                                "idle_timeout") if getattr(args, k) is not None}
-        # No urls: the workers register (--register) and come and go like any others.
         config = ClusterConfig(PoolConfig((), args.ctx_router), PoolConfig((), args.gen_router),
                                host=args.host, port=args.port, processes=args.orchestrators,
                                api_key=secret_env.get("SPLITSERVE_API_KEY"),
                                internal_secret=secret_env["SPLITSERVE_INTERNAL_SECRET"],
                                local_prefill_max_tokens=args.local_prefill_max_tokens,
                                model=args.model or DEFAULT_MODEL, **limits)
+    except ValueError as exc:
+        logger.error("up: %s", exc)
+        return 2
+    children = start_workers(args, plan, secret_env)
+    supervisor = Supervisor(children)
+    # Signals during startup must still stop the children.
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        wait_healthy(supervisor.processes(), [c.url for c in children], args.start_timeout)
         if config.processes > 1:
             asyncio.run(run_fleet(config, args.log_level, banner(config, args),
                                   companion=lambda registry: supervisor.watch(registry.forget)))
