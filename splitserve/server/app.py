@@ -194,9 +194,9 @@ class WorkerServer:
             raise InvalidRequestError("send exactly one of prompt or messages", "prompt")
         if body.messages is not None:
             check_message_count(len(body.messages), max_len)
-            text = await self.in_pool(lambda: tok.apply_chat_template(body.messages))
-            ids = await self.in_pool(lambda: encode_prompt(tok, text, max_len, "messages",
-                                                           add_special_tokens=False))
+            ids = await self.in_pool(lambda: encode_prompt(
+                tok, tok.apply_chat_template(body.messages), max_len, "messages",
+                add_special_tokens=False))
         else:
             ids = await self.in_pool(lambda: encode_prompt(tok, body.prompt, max_len, "prompt",
                                                            body.add_special_tokens))
