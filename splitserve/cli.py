@@ -257,7 +257,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="/health answers 503 when the engine completed no step for this "
                             "long while holding requests (longer than the longest step)")
     serve.add_argument("--max-connections", type=int, default=HTTPLimits.max_connections,
-                       help="open connections past which a new one gets 503 and is closed")
+                       help="clients' open connections; past it a new one closes the longest "
+                            "idle one, or is answered 503 when all are busy (the cluster's own "
+                            "connections come on top, within the file descriptor limit)")
     serve.add_argument("--request-head-timeout", type=float, default=HTTPLimits.head_timeout,
                        help="seconds a request line and headers may take (then 408)")
     serve.add_argument("--request-body-timeout", type=float, default=HTTPLimits.body_timeout,

@@ -18,6 +18,7 @@ from typing import Callable, NamedTuple
 
 import msgspec
 
+from splitserve.httpd.connections import Standing
 from splitserve.protocol.openai import error_body
 
 INTERNAL_HEADER = "X-Splitserve-Internal-Secret"
@@ -113,20 +114,29 @@ class Gate:
         """401 for a public route without the API key (or, accept_internal, the secret)."""
         if self.api_key is None or not is_public(path):
             return None
-        authorization = header("Authorization")
-        if _same(bearer_token(authorization), self.api_key):
+        if self._key_shown(header):
             return None
         if accept_internal and self.internal(header):
             return None
-        return unauthorized(authorization)
+        return unauthorized(header("Authorization"))
 
-    def worker_refusal(self, path: str, header: Callable[[str], str | None],
-                       body: bytes) -> Refusal | None:
-        """A worker's checks, before anything of the request is acted on: the API key (or
-        the internal secret), and disaggregated_params only with the internal secret."""
-        refusal = self.key_refusal(path, header, accept_internal=True)
+    def standing(self, header: Callable[[str], str | None]) -> Standing:
+        """What a request shows of its sender, for the connection limits (httpd's
+        connections.py): the internal secret, the API key (any request when none is set),
+        or nothing (an open route such as /health without the key)."""
+        if self.internal(header):
+            return Standing.INTERNAL
+        if self.api_key is None or self._key_shown(header):
+            return Standing.CLIENT
+        return Standing.UNPROVEN
+
+    def _key_shown(self, header: Callable[[str], str | None]) -> bool:
+        return _same(bearer_token(header("Authorization")), self.api_key)
+
+    def body_refusal(self, header: Callable[[str], str | None], body: bytes) -> Refusal | None:
+        """A worker's check of a body, before anything of it is acted on (the key was
+        checked with the head): disaggregated_params only with the internal secret."""
         # the secret first: the orchestrator's requests skip parsing the body for the field
-        if refusal is None and body and not self.internal(header) \
-                and carries_disaggregated_params(body):
-            refusal = forbidden(self.secret is not None)
-        return refusal
+        if body and not self.internal(header) and carries_disaggregated_params(body):
+            return forbidden(self.secret is not None)
+        return None

@@ -252,3 +252,48 @@ class UpCluster:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def memory_kb(pid: int) -> dict[str, int]:
+    """VmRSS and VmHWM (peak) of a process, in kB."""
+    with open(f"/proc/{pid}/status") as f:
+        return {k: int(v.split()[0]) for k, _, v in (ln.partition(":") for ln in f)
+                if k in ("VmRSS", "VmHWM")}
+
+
+def send_unasked_body(url: str, path: str, size: int, expect: bool = False,
+                      headers: str = "") -> tuple[bytes, int]:
+    """POST a `size`-byte body without an API key, reading while sending: -> (the first
+    line the server answers, body bytes sent before it). With `expect`, the body waits for
+    the server's word (Expect: 100-continue) and nothing of it is sent."""
+    import select
+    import socket
+    from urllib.parse import urlsplit
+    u = urlsplit(url)
+    if expect:
+        headers += "Expect: 100-continue\r\n"
+    sock = socket.create_connection((u.hostname, u.port), timeout=30)
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {size}\r\n{headers}\r\n".encode())
+    chunk, sent = b"x" * (1 << 20), 0
+    try:
+        while not select.select([sock], [], [], 0 if sent < size and not expect else 30)[0]:
+            sock.sendall(chunk[:size - sent])
+            sent += min(len(chunk), size - sent)
+        return sock.recv(4096).split(b"\r\n", 1)[0], sent
+    finally:
+        sock.close()
+
+
+def unasked_bodies_held_kb(url: str, pid: int, paths: list[str],
+                           size: int = 64 << 20) -> tuple[set[bytes], int, int]:
+    """One keyless `size`-byte body to paths[0], then one to each path at once: -> (the
+    status lines answered, the server's peak memory growth in kB after the one, after all
+    of them)."""
+    from concurrent.futures import ThreadPoolExecutor
+    before = memory_kb(pid)["VmHWM"]
+    lines = {send_unasked_body(url, paths[0], size)[0]}
+    one = memory_kb(pid)["VmHWM"]
+    with ThreadPoolExecutor(len(paths)) as pool:
+        lines |= {line for line, _ in pool.map(lambda p: send_unasked_body(url, p, size), paths)}
+    return lines, one - before, memory_kb(pid)["VmHWM"] - one

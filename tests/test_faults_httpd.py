@@ -267,33 +267,63 @@ def test_a_client_that_reads_nothing_for_send_timeout_is_dropped():
     assert 0 < calls < 20 and left == 0
 
 
-def test_past_max_connections_a_new_connection_gets_503_with_the_apps_body():
+def test_past_max_connections_a_busy_server_answers_503_with_the_apps_body():
+    """Three connections each being answered: nothing can make room, so a fourth is kept
+    only for the cluster's own traffic; its client request gets 503 and the close."""
     def app_error(message: str, status: int) -> bytes:
         return json.dumps({"error": {"message": message, "type": "overloaded",
                                      "code": status}}).encode()
 
     async def main():
-        server = await serve(App(), app_error, max_connections=3)
+        app = App()
+        server = await serve(app, app_error, max_connections=3)
         held = [await connect(server) for _ in range(3)]
-        for reader, writer in held:       # each is open and served
-            writer.write(request("GET", "/a"))
-            await asyncio.wait_for(read_response(reader), 10)
+        for reader, writer in held:
+            writer.write(request("GET", "/slow"))
+        while sum(c.task is not None for c in server.connections) < 3:
+            await asyncio.sleep(0.01)
         reader, writer = await connect(server)
+        writer.write(request("GET", "/a"))
         status, headers, body = await asyncio.wait_for(read_response(reader), 10)
         closed = await asyncio.wait_for(reader.read(), 10) == b""
-        held[0][1].close()
-        while len(server.connections) > 2:
-            await asyncio.sleep(0.01)
+        app.release.set()
+        answered = [(await asyncio.wait_for(read_response(r), 10))[0] for r, _ in held]
         after = await served(server)
         await server.close()
-        return status, headers, json.loads(body), closed, after, server.refused_connections
+        return status, headers, json.loads(body), closed, answered, after, \
+            server.refused_connections
 
-    status, headers, body, closed, after, count = run(main())
+    status, headers, body, closed, answered, after, count = run(main())
     assert status == 503 and headers["connection"] == "close" and closed
     assert headers["retry-after"] == "1" and count == 1
     assert body == {"error": {"message": "the server is at its limit of 3 connections; retry "
                               "later", "type": "overloaded", "code": 503}}
-    assert after == 200
+    assert answered == [200, 200, 200] and after == 200
+
+
+def test_past_max_connections_the_longest_idle_connection_makes_room():
+    """Keep-alive connections that wait for their next request are closed, longest idle
+    first, when a new client needs the room; a connection being answered never is."""
+    async def main():
+        app = App()
+        server = await serve(app, max_connections=3)
+        idle = [await connect(server) for _ in range(2)]
+        for reader, writer in idle:
+            writer.write(request("GET", "/a"))
+            await asyncio.wait_for(read_response(reader), 10)
+        busy = await connect(server)
+        busy[1].write(request("GET", "/slow"))
+        await asyncio.wait_for(app.started.wait(), 10)
+        statuses = [await served(server) for _ in range(2)]
+        gone = [await asyncio.wait_for(r.read(), 10) == b"" for r, _ in idle]
+        app.release.set()
+        slow = (await asyncio.wait_for(read_response(busy[0]), 10))[0]
+        await server.close()
+        return statuses, gone, slow, server.connections.evicted
+
+    statuses, gone, slow, evicted = run(main())
+    assert statuses == [200, 200] and gone == [True, True]
+    assert slow == 200 and evicted == 2
 
 
 @pytest.mark.parametrize("first", ["/slow", "/stream?5"])
@@ -339,18 +369,18 @@ def test_a_limit_that_is_not_positive_is_refused(field):
 
 
 def test_a_worker_takes_its_http_limits_from_the_command_line():
-    """`splitserve serve --max-connections 2 --request-head-timeout 1`: a third connection is
-    refused with 503, a head that stops arriving gets 408."""
+    """`splitserve serve --max-connections 2 --request-head-timeout 1`: a third connection
+    closes the oldest one that sent no whole request, a head that stops arriving gets 408."""
     import socket
     from server_utils import Worker
     w = Worker("--model", "tiny-random", "--max-connections", "2", "--request-head-timeout", "1")
     try:
-        held = [socket.create_connection(("127.0.0.1", w.port), timeout=10) for _ in range(2)]
-        held[0].sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")     # never finished
+        silent = [socket.create_connection(("127.0.0.1", w.port), timeout=10) for _ in range(2)]
         third = socket.create_connection(("127.0.0.1", w.port), timeout=10)
-        assert third.recv(4096).startswith(b"HTTP/1.1 503")
-        assert held[0].recv(4096).startswith(b"HTTP/1.1 408")
-        for s in (third, *held):
+        third.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")     # never finished
+        assert silent[0].recv(4096) == b""                           # closed for the third
+        assert third.recv(4096).startswith(b"HTTP/1.1 408")
+        for s in (third, *silent):
             s.close()
     finally:
         w.close()

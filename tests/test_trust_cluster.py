@@ -88,3 +88,21 @@ def test_the_orchestrator_will_not_start_without_a_secret(tmp_path):
     assert done.returncode == 2, done.stderr
     for name in ("--internal-secret", "SPLITSERVE_INTERNAL_SECRET", "internal_secret"):
         assert name in done.stderr
+
+
+def test_a_keyless_body_is_refused_on_its_head_and_never_held(cluster):
+    """As on a worker (test_trust_worker.py): 401 before the body is read or `100 Continue`
+    sent, and 64 MiB bodies leave the orchestrator's memory where it was (a few hundred kB
+    move either way between two readings anyway); the same for /internal/ without the
+    secret (403)."""
+    from server_utils import send_unasked_body, unasked_bodies_held_kb
+    orch, size = cluster[2], 64 << 20
+    assert send_unasked_body(orch.url, "/v1/completions", size, expect=True)[0] == \
+        b"HTTP/1.1 401 Unauthorized"
+    assert send_unasked_body(orch.url, "/internal/workers", size, expect=True)[0] == \
+        b"HTTP/1.1 403 Forbidden"
+    paths = ["/internal/workers", "/v1/chat/completions", "/v1/completions"] * 4
+    lines, one, twelve = unasked_bodies_held_kb(orch.url, orch.proc.pid, paths)
+    assert lines == {b"HTTP/1.1 401 Unauthorized", b"HTTP/1.1 403 Forbidden"}
+    assert one < 1024 and twelve < 12 * 1024, (one, twelve)
+    assert call("POST", orch.url + "/v1/chat/completions", CHAT, AUTH)[0] == 200

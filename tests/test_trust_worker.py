@@ -179,3 +179,17 @@ def test_only_an_internal_sender_sets_when_a_request_was_sent(worker):
     assert call("POST", worker.url + "/v1/completions", PROMPT,
                 {**INTERNAL, "X-Sent-At": repr(time.time() - 100)})[0] == 200
     assert e2e_seconds(worker.url) - after >= 100
+
+
+def test_a_keyless_body_is_refused_on_its_head_and_never_held(worker):
+    """401 before a byte of the body is kept, or a `100 Continue` sent: 64 MiB bodies from
+    a client without the key leave the front-end's memory where it was (a few hundred kB
+    move either way between two readings anyway)."""
+    from server_utils import send_unasked_body, unasked_bodies_held_kb
+    first, _ = send_unasked_body(worker.url, "/v1/completions", 64 << 20, expect=True)
+    assert first == b"HTTP/1.1 401 Unauthorized"
+    lines, one, twelve = unasked_bodies_held_kb(worker.url, worker.proc.pid,
+                                                ["/v1/completions", "/tokenize"] * 6)
+    assert lines == {b"HTTP/1.1 401 Unauthorized"}
+    assert one < 1024 and twelve < 12 * 1024, (one, twelve)
+    assert call("POST", worker.url + "/v1/completions", PROMPT, AUTH)[0] == 200

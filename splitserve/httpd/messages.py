@@ -1,7 +1,8 @@
 """A parsed HTTP request, a whole response, and a chunked (SSE) response stream.
 
-The request body is complete before a handler runs (the connection buffers it, within the
-server's body limit), so `request.body` is plain bytes and reading it costs nothing.
+A request exists from the moment its head is in (the server's head check sees it, without
+a body); its body is complete before a handler runs (the connection buffers it, within its
+route's limit), so `request.body` is plain bytes and reading it costs nothing.
 """
 
 from __future__ import annotations
@@ -38,14 +39,17 @@ def response_head(status: int, framing: bytes, headers: dict[str, str] | None,
 
 
 class Request:
-    __slots__ = ("method", "path", "query", "raw_headers", "body", "keep_alive", "conn")
+    __slots__ = ("method", "path", "query", "raw_headers", "body", "keep_alive", "conn",
+                 "content_length")
 
     def __init__(self, method: str, target: bytes, raw_headers: list[tuple[bytes, bytes]],
-                 body: bytes, keep_alive: bool, conn: HTTPConnection):
+                 body: bytes, keep_alive: bool, conn: HTTPConnection,
+                 content_length: int | None = None):
         path, _, query = target.partition(b"?")
         self.method, self.path, self.query = method, path.decode("latin-1"), query
         self.raw_headers, self.body, self.keep_alive = raw_headers, body, keep_alive
         self.conn = conn
+        self.content_length = content_length    # as declared; None: chunked or none
 
     def header(self, name: str) -> str | None:
         """The first value of header `name` (any case), or None. Headers stay raw bytes until

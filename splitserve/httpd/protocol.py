@@ -2,15 +2,21 @@
 responses leave in request order (pipelined requests wait their turn).
 
 Per request this costs a parser pass (C), a handful of callbacks, two clock reads, one task
-and one transport.write for a whole response. Bodies are buffered up to the server's limit;
-a larger one is answered 413 after it has been read past (or at once when the client waits
-on `Expect: 100-continue`), so the client sees the answer rather than a reset.
+and one transport.write for a whole response. A request's head passes the server's check
+(its key, its route, its declared length) before a byte of its body is buffered or a
+`100 Continue` sent; bodies are buffered up to what their route reads, and a refused
+request is answered at once (then the connection lingers, dropping what still arrives, so
+the client reads the answer rather than a reset).
 
 Whatever ends a connection early (a malformed or oversized request, one that stops arriving)
 is answered in turn, after the responses to the requests before it, and nothing more is
 read. Reading pauses while `max_pipelined` requests wait; a response is not started while
 the client has not read the one before it (the transport is paused for writing), so a
-connection holds at most one unread response and a few requests.
+connection holds at most one unread response and a few requests. A client that half-closes
+(sends its requests, then shuts down its side, as some HTTP/1.0 clients and proxies do) is
+answered, then the connection closes.
+
+Which connections the server keeps at all is connections.py's.
 """
 
 from __future__ import annotations
@@ -23,19 +29,19 @@ from typing import TYPE_CHECKING
 
 import httptools
 
+from splitserve.httpd.connections import Standing
+from splitserve.httpd.ending import CONTINUE, Ending
 from splitserve.httpd.messages import ChunkedStream, Request, Response
-from splitserve.httpd.reader import BODY, HEAD, Refusal, RequestReader
+from splitserve.httpd.reader import BODY, Refusal, RequestReader
 
 if TYPE_CHECKING:
     from splitserve.httpd.server import HTTPServer
 
 logger = logging.getLogger(__name__)
 
-CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
-LINGER = 2.0           # s a refused connection reads and drops what its client still sends
 
 
-class HTTPConnection(RequestReader, asyncio.Protocol):
+class HTTPConnection(RequestReader, Ending, asyncio.Protocol):
     def __init__(self, server: HTTPServer):
         self.server, self.limits = server, server.limits
         self.loop = asyncio.get_running_loop()
@@ -54,23 +60,32 @@ class HTTPConnection(RequestReader, asyncio.Protocol):
         self._continue = False                      # 100 Continue waits for earlier responses
         self.idle_since: float | None = None        # loop time it last went idle; None: busy
         self._last: Request | None = None           # the request parsed last
+        self.peer: str | None = None                # the client's address
+        self.created, self.received = self.loop.time(), False   # any byte yet
+        self.standing, self.probation = Standing.UNPROVEN, False   # (connections.py)
+        self._eof = False                           # the client sends nothing more
+        self._http11 = False                        # the last request's version was 1.1
+        self._lingering = False
         self._begin()
 
     # -- transport events -----------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:
         self.transport = transport
-        if len(self.server.connections) >= self.limits.max_connections:
+        peer = transport.get_extra_info("peername")
+        self.peer = peer[0] if isinstance(peer, tuple) else None
+        if not self.server.connections.admit(self):
             transport.write(self.server.connection_refusal().encode(keep_alive=False))
             self._linger()
             return
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.server.connections.add(self)
         self._wait_idle()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.server.connections.discard(self)
+        self.server.connections.remove(self)
+        if self._lingering:
+            self.server.lingering -= 1
         self.queue.clear()
         if self.task is not None:
             self.task.cancel()          # the client went away: stop its work (engine aborts)
@@ -98,7 +113,10 @@ class HTTPConnection(RequestReader, asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._stopped:
             return
-        self.idle_since = None
+        self.received = True
+        if self.idle_since is not None:
+            self.idle_since = None
+            self.server.connections.went_busy(self)
         if self.reading == BODY:
             self._overhead += len(data)     # on_body takes the body's part back out
         try:
@@ -114,7 +132,7 @@ class HTTPConnection(RequestReader, asyncio.Protocol):
         except httptools.HttpParserError as exc:
             cause = exc.__context__
             if isinstance(cause, Refusal):
-                self.refuse(cause.status, cause.message)
+                self.refuse(cause.status, cause.message, cause.response)
             else:
                 self.refuse(400, f"malformed HTTP request: {exc}")
             return
@@ -123,13 +141,27 @@ class HTTPConnection(RequestReader, asyncio.Protocol):
     # -- httptools callbacks (the rest in reader.py) ---------------------------------------
     def on_headers_complete(self) -> None:
         self.reading, self.reading_since, self._overhead = BODY, self.loop.time(), 0
-        if self._expect and self._too_large:   # the client waits for our word: refuse now
-            raise Refusal(413, self._too_large_message())
+        self._take_head()           # (a Refusal here: answered before any body is read)
         if self._expect:
             if self.task is None and not self.queue:
                 self.transport.write(CONTINUE)
             else:   # never inside the responses before it: sent when they are (_next)
                 self._continue = True
+
+    def admitted(self, request: Request) -> int:
+        """The server's check of a request whose head is in: its standing counts for the
+        connection (connections.py), a refusal is raised; -> the body it may send."""
+        verdict = self.server.check_head(request)
+        if isinstance(verdict, Response):
+            raise Refusal(verdict.status, "", verdict)
+        standing, max_body = verdict
+        connections = self.server.connections
+        connections.shown(self, standing)
+        if self.probation:      # admitted into the room kept for the cluster's own traffic
+            if self.standing < Standing.INTERNAL and connections.over_public():
+                raise Refusal(503, "", self.server.connection_refusal())
+            self.probation = False
+        return max_body
 
     def on_message_complete(self) -> None:
         self.reading, self._continue = 0, False
@@ -153,6 +185,9 @@ class HTTPConnection(RequestReader, asyncio.Protocol):
                 self.reading_since = self.loop.time()   # its clock stood while we did not read
                 self.transport.resume_reading()
         if not self.queue:
+            if self._eof:           # a half-closed client: all it sent is answered
+                self.transport.close()
+                return
             if self._continue:      # the request waiting for it is next
                 self._continue, self.reading_since = False, self.loop.time()
                 self.transport.write(CONTINUE)
@@ -196,13 +231,14 @@ class HTTPConnection(RequestReader, asyncio.Protocol):
                 return
         self._next()
 
-    def refuse(self, status: int, message: str) -> None:
-        """Answer `status` once the requests before are answered, then close: the byte stream
-        no longer holds trustworthy request boundaries, or the client is too slow."""
+    def refuse(self, status: int, message: str, response: Response | None = None) -> None:
+        """Answer `status` (or `response`) once the requests before are answered, then
+        close: the byte stream no longer holds trustworthy request boundaries, the request
+        may not be served, or the client is too slow."""
         if self._stopped or self.transport.is_closing():
             return
         self._stop_reading()
-        self.queue.append(self.server.error_response(message, status))
+        self.queue.append(response or self.server.error_response(message, status))
         if self.task is None:
             self._next()
 
@@ -210,39 +246,10 @@ class HTTPConnection(RequestReader, asyncio.Protocol):
         self._stopped, self.reading, self._continue = True, 0, False
         self.transport.pause_reading()
 
-    def _linger(self) -> None:
-        """Close after a refusal without a reset: closing with unread input resets the
-        connection, and a client still sending would lose our answer with it. So: no more
-        writes (FIN after the answer), drop whatever arrives, abort after LINGER seconds."""
-        self._stopped = True
-        if self.transport.can_write_eof():
-            self.transport.write_eof()
-        self.transport.resume_reading()
-        self.loop.call_later(LINGER, self.transport.abort)
-
-    def expire(self, now: float) -> None:
-        """The server's sweep (a timestamp per request, not a timer): a keep-alive connection
-        idle past keepalive_timeout closes; a request whose head or body stopped arriving is
-        answered 408; one whose client has read nothing for send_timeout is dropped. A clock
-        stands while the server is the one not reading."""
-        limits = self.limits
-        if self.write_paused and now - self.write_paused_since > limits.send_timeout:
-            logger.info("%s: a client read nothing for %g s: connection dropped",
-                        self.server.log_prefix, limits.send_timeout)
-            self.transport.abort()
-        elif self.reading:
-            if self._read_paused or self._continue:
-                return
-            limit = limits.head_timeout if self.reading == HEAD else limits.body_timeout
-            if now - self.reading_since > limit:
-                part = "line and headers" if self.reading == HEAD else "body"
-                self.refuse(408, f"the request {part} did not arrive within {limit:g} s")
-        elif self.idle_since is not None and now - self.idle_since > limits.keepalive_timeout:
-            self.transport.close()
-
     def _wait_idle(self) -> None:
         """Idle until the next request (expire() closes it after keepalive_timeout)."""
         if self.server.closing:
             self.transport.close()
         else:
             self.idle_since = self.loop.time()
+            self.server.connections.went_idle(self)

@@ -1,7 +1,8 @@
 """The orchestrator: the cluster's OpenAI front door (`splitserve orchestrator -c cluster.yaml`).
 
-HTTP handlers only: routing, the API key, shedding past max_in_flight, and errors as OpenAI
-bodies. Serving a request on the workers is pools.py's; the bodies sent them are relay.py's.
+HTTP handlers only: routing, the API key (both checked on a request's head, before its body
+is read), shedding past max_in_flight, and errors as OpenAI bodies. Serving a request on the
+workers is pools.py's; the bodies sent them are relay.py's.
 """
 
 from __future__ import annotations
@@ -16,20 +17,24 @@ import orjson
 from splitserve.errors import InvalidRequestError
 from splitserve.gc_policy import ServingGC
 from splitserve.httpd import ChunkedStream, HTTPLimits, HTTPServer, Request, Response
-from splitserve.httpd.limits import LISTEN_BACKLOG
+from splitserve.httpd.connections import Standing
+from splitserve.httpd.limits import FD_HEADROOM, LISTEN_BACKLOG, raise_fd_limit
+from splitserve.httpd.router import ANY, NO_BODY, Route, Router
+from splitserve.httpd.server import Admission
 from splitserve.orchestrator import relay
 from splitserve.orchestrator.cluster import ClusterConfig
 from splitserve.orchestrator.decide import Decider
 from splitserve.orchestrator.metrics import OrchestratorMetrics
 from splitserve.orchestrator.pools import Pools
-from splitserve.orchestrator.registry import (NOT_INTERNAL, LocalMembership, Registry,
+from splitserve.orchestrator.registry import (NOT_INTERNAL, PATHS, LocalMembership, Registry,
                                               RemoteMembership)
-from splitserve.protocol.openai import error_body
+from splitserve.protocol.openai import error_body, status_error_body
 from splitserve.signals import wait_for_stop_signal
 from splitserve.trust import Gate
 
 logger = logging.getLogger(__name__)
 
+REGISTRATION_MAX_BODY = 64 << 10    # a registration body is a role, a url and a ttl
 NO_SECRET = ("the orchestrator needs the cluster's internal secret (the one its workers have) "
              "to call its workers: pass --internal-secret, set internal_secret in the cluster "
              "YAML, or set SPLITSERVE_INTERNAL_SECRET")
@@ -56,41 +61,46 @@ class Orchestrator:
         if self.registry is not None:     # leases lapsing, health removals: at once
             self.registry.listeners.append(lambda: self.pools.sync(self.registry.listing()))
         self._registry_task: asyncio.Task | None = None
-        self.routes = {                    # path -> (method, handler)
-            "/v1/completions": ("POST", self.generate),
-            "/v1/chat/completions": ("POST", self.generate),
-            "/v1/models": ("GET", self.models),
-            "/health": ("GET", self.health),
-            "/metrics": ("GET", self.prometheus),
-        }
-        self.http = HTTPServer(self.dispatch, config.max_body_bytes, "orch", limits=limits,
-                               error_body=lambda message, status: error_body(
-                                   message, "server_error" if status >= 500
-                                   else "invalid_request_error"))
+        body = config.max_body_bytes
+        self.router = Router({
+            "/v1/completions": Route("POST", self.generate, body),
+            "/v1/chat/completions": Route("POST", self.generate, body),
+            "/v1/models": Route("GET", self.models, NO_BODY),
+            "/health": Route("GET", self.health, NO_BODY),
+            "/metrics": Route("GET", self.prometheus, NO_BODY),
+            **{path: Route(ANY, self.internal, REGISTRATION_MAX_BODY) for path in PATHS},
+        }, status_error_body)
+        # Each request in flight holds a connection to a worker: both share the descriptors.
+        self.max_in_flight = min(config.max_in_flight, (raise_fd_limit() - FD_HEADROOM) // 2)
+        if self.max_in_flight < config.max_in_flight:
+            logger.warning("orch: the file descriptor limit leaves room for %d requests in "
+                           "flight (not %d); raise it (ulimit -n) for more",
+                           self.max_in_flight, config.max_in_flight)
+        self.http = HTTPServer(self.router.dispatch, body, "orch", limits=limits,
+                               error_body=status_error_body, check_head=self.check_head,
+                               other_fds=self.max_in_flight)
         self.gc = ServingGC()
         self.in_flight = 0
 
     # -- the request path -----------------------------------------------------------------
-    async def dispatch(self, request: Request) -> Response | ChunkedStream:
-        """401 on a public route without the API key (when one is set); then the route."""
-        route = self.routes.get(request.path)
-        allowed = route is not None and (request.method == route[0]
-                                         or (request.method, route[0]) == ("HEAD", "GET"))
+    def check_head(self, request: Request) -> Admission | Response:
+        """A request whose head is in, before any of its body is read: 401 on a public route
+        without the API key (when one is set), 403 on /internal/ without the internal
+        secret, then its route (404, 405, 413)."""
         refusal = self.gate.key_refusal(request.path, request.header)
         if refusal is not None:
-            self.metrics.requests.labels(request.path if allowed else "other", "refused",
+            known = isinstance(self.router.find(request), Route)
+            self.metrics.requests.labels(request.path if known else "other", "refused",
                                          refusal.status).inc()
             return Response(refusal.body, refusal.status, headers=refusal.headers)
-        if request.path.startswith("/internal/"):
-            return await self.internal(request)
-        if route is None:
-            return _error(404, f"no endpoint {request.path}", "NotFoundError")
-        if not allowed:
-            return _error(405, f"{request.path} takes {route[0]}, not {request.method}")
-        return await route[1](request)
+        standing = self.gate.standing(request.header)
+        if request.path.startswith("/internal/") and standing < Standing.INTERNAL:
+            return _error(403, NOT_INTERNAL)
+        route = self.router.find(request)
+        return route if isinstance(route, Response) else Admission(standing, route.max_body)
 
     async def generate(self, request: Request) -> Response | ChunkedStream:
-        if self.in_flight >= self.config.max_in_flight:
+        if self.in_flight >= self.max_in_flight:
             self.metrics.requests.labels(request.path, "shed", 503).inc()
             return _error(503, f"the server is at capacity ({self.in_flight} requests in "
                                f"flight); retry later", "server_error", retry_after=1)
@@ -139,10 +149,8 @@ class Orchestrator:
         return Response(orjson.dumps(body), status)
 
     async def internal(self, request: Request) -> Response:
-        """The worker registration API (orchestrator/registry.py): internal requests only.
-        A change answered here reaches this process's pools at once."""
-        if not self.gate.internal(request.header):
-            return _error(403, NOT_INTERNAL)
+        """The worker registration API (orchestrator/registry.py): internal requests only
+        (check_head). A change answered here reaches this process's pools at once."""
         status, body = await self.membership.call(request.method, request.path, request.body)
         if status == 200:
             self.pools.sync(orjson.loads(body)["data"])

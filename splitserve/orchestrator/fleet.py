@@ -32,11 +32,13 @@ import aiohttp
 import orjson
 
 from splitserve.httpd import HTTPServer, Request, Response
+from splitserve.httpd.connections import Standing
+from splitserve.httpd.server import Admission
 from splitserve.orchestrator.app import run_orchestrator
 from splitserve.orchestrator.cluster import ClusterConfig
 from splitserve.orchestrator.registry import NOT_INTERNAL, Registry
 from splitserve.orchestrator.supervisor import Supervisor, WorkerChild, stop_processes
-from splitserve.protocol.openai import error_body
+from splitserve.protocol.openai import error_body, status_error_body
 from splitserve.signals import wait_for_stop_signal
 from splitserve.trust import INTERNAL_HEADER, Gate
 
@@ -52,13 +54,15 @@ class Control:
     def __init__(self, registry: Registry, secret: str):
         self.registry, self.gate = registry, Gate(None, secret)
         self.http = HTTPServer(self.dispatch, CONTROL_MAX_BODY, "orch-control",
-                               error_body=lambda message, status: error_body(
-                                   message, "server_error" if status >= 500
-                                   else "invalid_request_error"))
+                               error_body=status_error_body, check_head=self.check_head)
 
-    async def dispatch(self, request: Request) -> Response:
+    def check_head(self, request: Request) -> Admission | Response:
+        """Only the fleet's children, which carry the internal secret (before any body)."""
         if not self.gate.internal(request.header):
             return Response(error_body(NOT_INTERNAL, "invalid_request_error"), 403)
+        return Admission(Standing.INTERNAL, CONTROL_MAX_BODY)
+
+    async def dispatch(self, request: Request) -> Response:
         status, body = self.registry.handle(request.method, request.path, request.body)
         return Response(body, status)
 

@@ -9,7 +9,7 @@ from splitserve.protocol.openai_requests import (
 from splitserve.protocol.openai_logprobs import TokenText, chat_logprobs, completion_logprobs
 from splitserve.protocol.openai_responses import (
     DONE, FINISH_REASONS, EchoPrompt, ResponseAccumulator, StreamEncoder, engine_error,
-    error_body, response_id, sse_error)
+    error_body, response_id, sse_error, status_error_body)
 
 __all__ = [
     "KNOWN_CHAT_FIELDS", "KNOWN_COMPLETION_FIELDS", "MAX_N", "MAX_STOP", "ChatCompletionRequest",
@@ -17,5 +17,5 @@ __all__ = [
     "decode_completion_request", "unknown_fields",
     "DONE", "FINISH_REASONS", "EchoPrompt", "ResponseAccumulator", "StreamEncoder", "TokenText",
     "chat_logprobs", "completion_logprobs", "engine_error", "error_body", "response_id",
-    "sse_error",
+    "sse_error", "status_error_body",
 ]

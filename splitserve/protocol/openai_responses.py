@@ -61,6 +61,14 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
     return _encode({"error": {"message": message, "type": type, "param": param, "code": code}})
 
 
+def status_error_body(message: str, status: int) -> bytes:
+    """The body of an error a server answers by itself, by its HTTP status (what vLLM's
+    types are: 404 NotFoundError, a 5xx server_error, anything else invalid_request_error)."""
+    type = "NotFoundError" if status == 404 else \
+        "server_error" if status >= 500 else "invalid_request_error"
+    return error_body(message, type)
+
+
 def sse_error(message: str, type: str = "server_error", param: str | None = None,
               code: str | int | None = None) -> bytes:
     return b"data: " + error_body(message, type, param, code) + b"\n\n"

@@ -16,8 +16,10 @@ from splitserve.errors import InvalidRequestError
 from splitserve.gc_policy import ServingGC
 from splitserve.httpd import ChunkedStream, HTTPServer, Request, Response, json_response
 from splitserve.httpd.limits import LISTEN_BACKLOG
+from splitserve.httpd.router import NO_BODY, Route, Router
+from splitserve.httpd.server import Admission
 from splitserve.model.loader import load_model_source
-from splitserve.protocol.openai import error_body
+from splitserve.protocol.openai import error_body, status_error_body
 from splitserve.server.admission import check_message_count, encode_prompt
 from splitserve.server.config import ServerConfig
 from splitserve.server.engine_client import EngineClient, EngineDeadError
@@ -74,22 +76,20 @@ class WorkerServer:
         self.created = int(time.time())
         self.gate = Gate(config.api_key, config.internal_secret)
         self.handlers = gen = GenerateHandlers(self)
-        self.routes = {                    # path -> (method, handler)
-            "/v1/completions": ("POST", gen.completions),
-            "/v1/chat/completions": ("POST", gen.chat),
-            "/v1/models": ("GET", self.models),
-            "/health": ("GET", self.health),
-            "/metrics": ("GET", self.prometheus),
-            "/tokenize": ("POST", self.tokenize),
-            "/detokenize": ("POST", self.detokenize),
-            KV_BLOCKS: ("GET", functools.partial(kv_blocks_response, gate=self.gate,
-                                                 engine=self.engine)),
-        }
-        self.http = HTTPServer(self.dispatch, config.max_body_bytes, self.log_prefix,
-                               limits=config.http,
-                               error_body=lambda message, status: error_body(
-                                   message, "server_error" if status >= 500
-                                   else "invalid_request_error"))
+        body = config.max_body_bytes
+        self.router = Router({
+            "/v1/completions": Route("POST", gen.completions, body),
+            "/v1/chat/completions": Route("POST", gen.chat, body),
+            "/v1/models": Route("GET", self.models, NO_BODY),
+            "/health": Route("GET", self.health, NO_BODY),
+            "/metrics": Route("GET", self.prometheus, NO_BODY),
+            "/tokenize": Route("POST", self.tokenize, body),
+            "/detokenize": Route("POST", self.detokenize, body),
+            KV_BLOCKS: Route("GET", functools.partial(kv_blocks_response, gate=self.gate,
+                                                      engine=self.engine), NO_BODY),
+        }, status_error_body)
+        self.http = HTTPServer(self.dispatch, body, self.log_prefix, limits=config.http,
+                               error_body=status_error_body, check_head=self.check_head)
 
     async def in_pool(self, fn):
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn)
@@ -114,22 +114,26 @@ class WorkerServer:
             raise ModelNotFound(f"the model `{name}` does not exist; this server serves "
                                 f"`{self.model_name}`", "model")
 
+    def check_head(self, request: Request) -> Admission | Response:
+        """A request whose head is in, before any of its body is read: 401 on a public route
+        without the API key (or the internal secret), then its route (404, 405, 413)."""
+        refusal = self.gate.key_refusal(request.path, request.header, accept_internal=True)
+        route = self.router.find(request)
+        answer = _refused(refusal) if refusal is not None else route
+        if isinstance(answer, Response):
+            self.metrics.request_done(request.path if isinstance(route, Route) else "other",
+                                      answer.status)
+            return answer
+        return Admission(self.gate.standing(request.header), route.max_body)
+
     async def dispatch(self, request: Request) -> Response | ChunkedStream:
-        """Route a request; every failure becomes an OpenAI-style error body, nothing escapes
-        as a traceback."""
-        route = self.routes.get(request.path)
+        """Serve a request whose head passed check_head; every failure becomes an
+        OpenAI-style error body, nothing escapes as a traceback."""
         status = 500
         try:
-            refusal = self.gate.worker_refusal(request.path, request.header, request.body)
-            if refusal is not None:
-                response = _refused(refusal)
-            elif route is None:
-                response = _error(404, f"no endpoint {request.path}", "NotFoundError")
-            elif request.method != route[0] and (request.method, route[0]) != ("HEAD", "GET"):
-                response = _error(405, f"{request.path} takes {route[0]}, not {request.method}",
-                                  "invalid_request_error")
-            else:
-                response = await route[1](request)
+            refusal = self.gate.body_refusal(request.header, request.body)
+            response = (_refused(refusal) if refusal is not None
+                        else await self.router.dispatch(request))
             status = response.status
             return response
         except NotInternal:
@@ -151,7 +155,7 @@ class WorkerServer:
             logger.exception("%s: request failed", self.log_prefix)
             return _error(500, "internal error; the request was not completed", "server_error")
         finally:
-            self.metrics.request_done(request.path if route else "other", status)
+            self.metrics.request_done(request.path, status)
 
     # -- small endpoints ------------------------------------------------------------------
     async def models(self, request: Request) -> Response:
