@@ -88,13 +88,19 @@ def _add_engine_arguments(p) -> None:
 
 
 def _add_secret_arguments(p, what: str) -> None:
-    p.add_argument("--api-key", default=None,
-                   help=f"clients of {what} must send `Authorization: Bearer <key>` on /v1/*, "
-                        "/tokenize and /detokenize (default: $SPLITSERVE_API_KEY; none: open)")
+    add_api_key_arguments(p, f"clients of {what} must send `Authorization: Bearer <key>` "
+                             f"with one of these keys on /v1/*, /tokenize and /detokenize "
+                             f"(default: $SPLITSERVE_API_KEY, comma-separated; none: open)")
     p.add_argument("--internal-secret", default=None,
                    help="the cluster's internal secret, which the orchestrator's requests to "
                         "workers carry (default: $SPLITSERVE_INTERNAL_SECRET; prefer the "
                         "variable: every local user can read a command line)")
+
+
+def add_api_key_arguments(p, help: str) -> None:
+    """--api-key, vLLM's spelling: several after one flag, or the flag again."""
+    p.add_argument("--api-key", action="extend", nargs="+", default=None, metavar="KEY",
+                   help=help)
 
 
 def server_config(args, threads: int | None = None):
@@ -109,7 +115,8 @@ def server_config(args, threads: int | None = None):
     # The engine process keys the KV channel with it (its config crosses pickled, not argv).
     engine = replace(engine, kv=replace(engine.kv, secret=secret))
     return ServerConfig(host=args.host, port=args.port, role=args.role,
-                        api_key=args.api_key or envs.api_key(), internal_secret=secret,
+                        api_key=tuple(args.api_key or envs.api_keys()),
+                        internal_secret=secret,
                         served_model_name=args.served_model_name,
                         max_body_bytes=args.max_body_bytes,
                         max_waiting_requests=args.max_waiting_requests,
@@ -202,7 +209,7 @@ def _orchestrator(args) -> int:
                                        ("max_in_flight", args.max_in_flight),
                                        ("processes", args.processes)) if v is not None}
         # The command line, then the YAML, then the environment.
-        overrides["api_key"] = args.api_key or config.api_key or envs.api_key()
+        overrides["api_key"] = tuple(args.api_key or config.api_key or envs.api_keys())
         overrides["internal_secret"] = (args.internal_secret or config.internal_secret
                                         or envs.internal_secret())
         if not overrides["internal_secret"]:

@@ -25,9 +25,10 @@ class ServerConfig:
     max_waiting_requests: int = 4096
     engine_stall_seconds: float = 60.0     # no engine step this long, holding work: /health 503
     http: HTTPLimits = field(default_factory=HTTPLimits)   # timeouts, caps (httpd/limits.py)
-    # Public endpoints need `Authorization: Bearer <api_key>` when set; internal requests
-    # (anything carrying disaggregated_params) need the internal secret. Never logged.
-    api_key: str | None = field(default=None, repr=False)
+    # Public endpoints need `Authorization: Bearer <key>` with one of these keys when any is
+    # set; internal requests (anything carrying disaggregated_params) need the internal
+    # secret. Never logged.
+    api_key: tuple[str, ...] = field(default=(), repr=False)
     internal_secret: str | None = field(default=None, repr=False)
     engine: EngineConfig = field(default_factory=EngineConfig)
     # HTTP front-end processes sharing the port and one engine process (server/frontends.py)
