@@ -126,6 +126,13 @@ class Gate:
                 found = given
         return found
 
+    def tenant(self, header: Callable[[str], str | None]) -> str | None:
+        """The API key a public client presented (whose cache it may share,
+        protocol/cache_salt.py); None for an internal request or an open server."""
+        if not self.api_keys or self.internal(header):
+            return None
+        return self._key(header)
+
     def key_refusal(self, path: str, header: Callable[[str], str | None],
                     accept_internal: bool = False) -> Refusal | None:
         """401 for a public route without an API key (or, accept_internal, the secret)."""

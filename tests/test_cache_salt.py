@@ -1,7 +1,9 @@
 """cache_salt in the engine: a request's chained block hashes start from its salt's root, so
 requests share prefix-cache blocks only with requests of the same salt, on one engine and
 across a CTX -> GEN handoff (two in-process engines, KV over tcp). Without a salt the
-hashes are the ones splitserve always computed, bit for bit."""
+hashes are the ones splitserve always computed, bit for bit. Then the pieces above the
+engine, in-process: the offline API's salt, a tenant's salt derived from its key, the gate
+naming the key presented, and the salt in every body the orchestrator sends."""
 
 import numpy as np
 import pytest
@@ -10,9 +12,11 @@ from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.prompt_digest import chain_hashes, digest_of_tokens, salted_root
 from splitserve.engine.request import Request
 from splitserve.errors import InvalidRequestError
+from splitserve.protocol.cache_salt import CacheIsolation
 from splitserve.protocol.engine import RemotePrefill
 from splitserve.sampling_params import SamplingParams
 from splitserve.tokens import PromptTokens
+from splitserve.trust import INTERNAL_HEADER, Gate
 
 from disagg_utils import GREEDY, drain, engine, serving, tokens, wait_for_release
 from engine_requests import add_request
@@ -156,3 +160,48 @@ def test_ids_pulled_with_the_kv_are_checked_against_the_salt(pair):
     out = relay(pair, "pull-bad", PROMPT, A, B, params, length_only=True)
     assert out[-1].error is not None and "does not match" in out[-1].error
 
+
+def test_the_offline_api_takes_a_salt():
+    from splitserve.llm import LLM
+    llm = LLM("tiny-random", dtype="float32", block_size=4, num_blocks=64)
+    params = SamplingParams(temperature=0, max_tokens=2)
+    runs = [llm.generate(PROMPT, params, cache_salt=salt)[0] for salt in ("a", "b", None, "a")]
+    assert [r.num_cached_tokens for r in runs] == [0, 0, 0, 20]
+    with pytest.raises(InvalidRequestError) as err:
+        llm.generate(PROMPT, params, cache_salt="")
+    assert err.value.param == "cache_salt"
+
+
+def test_a_tenants_salt_needs_the_servers_secret_and_its_key():
+    by_key = CacheIsolation("api_key", b"secret")
+    one, two = by_key.salt(None, "sk-1"), by_key.salt(None, "sk-2")
+    assert len({one, two, by_key.salt("s", "sk-1"), by_key.salt("s", "sk-2"),
+                CacheIsolation("api_key", b"other").salt(None, "sk-1")}) == 5
+    assert by_key.salt(None, "sk-1") == one and "sk-1" not in one and "secret" not in one
+    assert by_key.salt("s", None) == "s"                        # internal: as relayed
+    assert CacheIsolation("none", b"secret").salt("s", "sk-1") == "s"
+    assert CacheIsolation("none", b"secret").salt(None, "sk-1") is None
+
+
+def test_the_gate_names_the_key_a_client_presented():
+    gate = Gate(("sk-1", "sk-2"), "internal")
+    headers = {"sk-1": {"Authorization": "Bearer sk-1"}, "sk-2": {"Authorization": "bearer sk-2"},
+               None: {"Authorization": "Bearer sk-3"}}
+    for key, h in headers.items():
+        assert gate.tenant(h.get) == key
+        assert (gate.key_refusal("/v1/completions", h.get) is None) == (key is not None)
+    internal = {"Authorization": "Bearer sk-1", INTERNAL_HEADER: "internal"}
+    assert gate.tenant(internal.get) is None
+    assert Gate(None, None).tenant(headers["sk-1"].get) is None
+
+
+def test_every_body_the_orchestrator_sends_carries_the_effective_salt():
+    from splitserve.orchestrator import migrate, relay
+    body = relay.salted(relay.parse_body(b'{"prompt": "hi", "cache_salt": "mine"}'), "key:ab")
+    assert relay.parse_body(b'{"prompt": "hi", "cache_salt": "mine"}')["cache_salt"] == "mine"
+    for sent in (body, relay.context_body(body, "b64"), migrate.resume_body(body, [5, 6]),
+                 relay.generation_body(body, {"kv_handle": {}, "prompt_len": 1})):
+        assert sent["cache_salt"] == "key:ab"
+    with pytest.raises(InvalidRequestError) as err:
+        relay.parse_body(b'{"prompt": "hi", "cache_salt": ""}')
+    assert err.value.param == "cache_salt"

@@ -40,15 +40,23 @@ def test_without_either_a_worker_is_open_and_takes_no_internal_request(monkeypat
 def test_several_api_keys_as_vllm_spells_them_or_one_flag_each(monkeypatch):
     assert config(monkeypatch, "--api-key", "k1", "k2").api_key == ("k1", "k2")
     assert config(monkeypatch, "--api-key", "k1", "--api-key", "k2").api_key == ("k1", "k2")
-    cfg = config(monkeypatch, key="k1,k2,")
-    assert cfg.api_key == ("k1", "k2") and "k1" not in repr(cfg)
+    assert config(monkeypatch, key="k1,k2,").api_key == ("k1", "k2")
+    cfg = config(monkeypatch, "--cache-isolation", "api_key", key="k1,k2")
+    assert cfg.cache_isolation == "api_key" and "k1" not in repr(cfg)
+
+
+def test_isolation_by_key_needs_keys(monkeypatch):
+    with pytest.raises(ValueError, match="cache_isolation api_key needs API keys"):
+        config(monkeypatch, "--cache-isolation", "api_key", key=None)
 
 
 def test_the_cluster_file_takes_one_key_or_a_list():
     pools = {"context_servers": ["http://127.0.0.1:1"], "generation_servers": ["http://127.0.0.1:2"]}
     assert ClusterConfig.from_dict({**pools, "api_key": "k"}).api_key == ("k",)
-    cfg = ClusterConfig.from_dict({**pools, "api_key": ["k1", "k2"]})
+    cfg = ClusterConfig.from_dict({**pools, "api_key": ["k1", "k2"], "cache_isolation": "api_key"})
     assert cfg.api_key == ("k1", "k2") and "k1" not in repr(cfg)
-    for bad in ([""], ["k", 3], 5):
+    for bad in ([], [""], ["k", 3], 5):
         with pytest.raises(ValueError, match="api_key"):
-            ClusterConfig.from_dict({**pools, "api_key": bad})
+            ClusterConfig.from_dict({**pools, "api_key": bad, "cache_isolation": "api_key"})
+    with pytest.raises(ValueError, match="cache_isolation must be one of none, api_key"):
+        ClusterConfig.from_dict({**pools, "cache_isolation": "tenant"})

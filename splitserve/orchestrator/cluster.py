@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import yaml
 
+from splitserve.protocol.cache_salt import check_isolation
 from splitserve.trust import api_keys
 
 RELAY_MODES = ("list", "b64", "metadata", "auto")
@@ -65,6 +66,9 @@ class ClusterConfig:
     # logged.
     api_key: tuple[str, ...] = field(default=(), repr=False)
     internal_secret: str | None = field(default=None, repr=False)
+    # none | api_key: a client shares prefix-cache blocks only with clients of its own key
+    # (protocol/cache_salt.py); the effective salt rides each body sent to a worker.
+    cache_isolation: str = "none"
 
     def __post_init__(self):
         if self.token_relay not in RELAY_MODES:
@@ -87,6 +91,7 @@ class ClusterConfig:
             raise ValueError(f"max_retries must be 0 or more, got {self.max_retries!r}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes!r}")
+        check_isolation(self.cache_isolation, self.api_key)
 
     @classmethod
     def from_yaml(cls, path: str) -> ClusterConfig:

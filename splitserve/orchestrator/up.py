@@ -44,6 +44,8 @@ def worker_command(args, role: str, port: int, cpus: WorkerPlan) -> list[str]:
            "--register", f"http://{args.host}:{args.port}"]
     if args.model:
         cmd += ["--model", args.model]
+    if args.cache_isolation != "none":   # a client going around the orchestrator is isolated too
+        cmd += ["--cache-isolation", args.cache_isolation]
     if role == "gen" and args.gen_api_servers > 1:
         cmd += ["--api-server-count", str(args.gen_api_servers)]
     return cmd
@@ -144,6 +146,7 @@ def up(args) -> int:
         config = ClusterConfig(PoolConfig((), args.ctx_router), PoolConfig((), args.gen_router),
                                host=args.host, port=args.port, processes=args.orchestrators,
                                api_key=tuple(args.api_key or envs.api_keys()),
+                               cache_isolation=args.cache_isolation,
                                internal_secret=secret_env["SPLITSERVE_INTERNAL_SECRET"],
                                local_prefill_max_tokens=args.local_prefill_max_tokens,
                                model=args.model or DEFAULT_MODEL, **limits)

@@ -17,6 +17,7 @@ from splitserve.gc_policy import ServingGC
 from splitserve.httpd import ChunkedStream, HTTPServer, Request, Response, json_response
 from splitserve.httpd.limits import LISTEN_BACKLOG
 from splitserve.model.loader import load_model_source
+from splitserve.protocol.cache_salt import CacheIsolation, derivation_key
 from splitserve.protocol.openai import error_body
 from splitserve.server.admission import check_message_count, encode_prompt
 from splitserve.server.config import ServerConfig
@@ -73,6 +74,8 @@ class WorkerServer:
             lambda i: self.tokenizer.decode([i], skip_special_tokens=False))
         self.created = int(time.time())
         self.gate = Gate(config.api_key, config.internal_secret)
+        self.isolation = CacheIsolation(config.cache_isolation,
+                                        derivation_key(config.internal_secret))
         self.handlers = gen = GenerateHandlers(self)
         self.routes = {                    # path -> (method, handler)
             "/v1/completions": ("POST", gen.completions),

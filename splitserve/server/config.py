@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from splitserve.config import EngineConfig
 from splitserve.httpd.limits import HTTPLimits
+from splitserve.protocol.cache_salt import check_isolation
 
 ROLES = ("agg", "ctx", "gen")
 
@@ -30,6 +31,9 @@ class ServerConfig:
     # secret. Never logged.
     api_key: tuple[str, ...] = field(default=(), repr=False)
     internal_secret: str | None = field(default=None, repr=False)
+    # none | api_key: whose prefix-cache blocks a public client may share
+    # (protocol/cache_salt.py); api_key: only those of clients with its own key.
+    cache_isolation: str = "none"
     engine: EngineConfig = field(default_factory=EngineConfig)
     # HTTP front-end processes sharing the port and one engine process (server/frontends.py)
     api_server_count: int = 1
@@ -48,6 +52,7 @@ class ServerConfig:
             raise ValueError(f"api_server_count must be at least 1, got {self.api_server_count}")
         if not self.engine_stall_seconds > 0:
             raise ValueError("engine_stall_seconds must be positive")
+        check_isolation(self.cache_isolation, self.api_key)
 
     @property
     def log_prefix(self) -> str:
