@@ -87,14 +87,29 @@ def _add_engine_arguments(p) -> None:
                         "this worker may pull from (default: loopback endpoints only)")
 
 
-def _add_secret_arguments(p, what: str) -> None:
-    p.add_argument("--api-key", default=None,
-                   help=f"clients of {what} must send `Authorization: Bearer <key>` on /v1/*, "
-                        "/tokenize and /detokenize (default: $SPLITSERVE_API_KEY; none: open)")
+def _add_secret_arguments(p, what: str, isolation_default: str | None = "none") -> None:
+    add_api_key_arguments(p, f"clients of {what} must send `Authorization: Bearer <key>` "
+                             f"with one of these keys on /v1/*, /tokenize and /detokenize "
+                             f"(default: $SPLITSERVE_API_KEY, comma-separated; none: open)",
+                          isolation_default)
     p.add_argument("--internal-secret", default=None,
                    help="the cluster's internal secret, which the orchestrator's requests to "
                         "workers carry (default: $SPLITSERVE_INTERNAL_SECRET; prefer the "
                         "variable: every local user can read a command line)")
+
+
+def add_api_key_arguments(p, help: str, isolation_default: str | None = "none") -> None:
+    """--api-key (vLLM's spelling: several after one flag, or the flag again) and
+    --cache-isolation. isolation_default None: the cluster file's, else none."""
+    from splitserve.protocol.cache_salt import ISOLATION_MODES
+    p.add_argument("--api-key", action="extend", nargs="+", default=None, metavar="KEY",
+                   help=help)
+    p.add_argument("--cache-isolation", choices=ISOLATION_MODES, default=isolation_default,
+                   help="api_key: a client shares prefix-cache blocks only with clients of "
+                        "its own API key (its cached_tokens and TTFT tell it nothing of other "
+                        "tenants' prompts); none: with every request of the same cache_salt "
+                        + ("(default: none)" if isolation_default else
+                           "(default: the cluster file's cache_isolation, else none)"))
 
 
 def server_config(args, threads: int | None = None):
@@ -109,7 +124,8 @@ def server_config(args, threads: int | None = None):
     # The engine process keys the KV channel with it (its config crosses pickled, not argv).
     engine = replace(engine, kv=replace(engine.kv, secret=secret))
     return ServerConfig(host=args.host, port=args.port, role=args.role,
-                        api_key=args.api_key or envs.api_key(), internal_secret=secret,
+                        api_key=tuple(args.api_key or envs.api_keys()),
+                        internal_secret=secret, cache_isolation=args.cache_isolation,
                         served_model_name=args.served_model_name,
                         max_body_bytes=args.max_body_bytes,
                         max_waiting_requests=args.max_waiting_requests,
@@ -202,7 +218,9 @@ def _orchestrator(args) -> int:
                                        ("max_in_flight", args.max_in_flight),
                                        ("processes", args.processes)) if v is not None}
         # The command line, then the YAML, then the environment.
-        overrides["api_key"] = args.api_key or config.api_key or envs.api_key()
+        overrides["api_key"] = tuple(args.api_key or config.api_key or envs.api_keys())
+        if args.cache_isolation is not None:
+            overrides["cache_isolation"] = args.cache_isolation
         overrides["internal_secret"] = (args.internal_secret or config.internal_secret
                                         or envs.internal_secret())
         if not overrides["internal_secret"]:
@@ -279,7 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
     orch.add_argument("--port", type=int, default=None)
     orch.add_argument("--max-in-flight", type=int, default=None,
                       help="requests served at once; past it, 503 at once (overrides the YAML)")
-    _add_secret_arguments(orch, "the cluster")
+    _add_secret_arguments(orch, "the cluster", isolation_default=None)
     orch.set_defaults(func=_orchestrator)
 
     from splitserve.orchestrator.up_args import add_arguments as add_up_arguments

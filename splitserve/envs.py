@@ -53,10 +53,13 @@ def parent_stdin() -> bool:
     return os.environ.get(PARENT_STDIN) == "1"
 
 
-def api_key() -> str | None:
-    """SPLITSERVE_API_KEY: the key public endpoints require (`Authorization: Bearer`) when
-    no --api-key is given."""
-    return os.environ.get("SPLITSERVE_API_KEY") or None
+API_KEY = "SPLITSERVE_API_KEY"
+
+
+def api_keys() -> tuple[str, ...]:
+    """SPLITSERVE_API_KEY: the keys public endpoints take (`Authorization: Bearer`), one or
+    several separated by commas, when no --api-key is given; empty: none."""
+    return tuple(k for k in os.environ.get(API_KEY, "").split(",") if k)
 
 
 def internal_secret() -> str | None:

@@ -7,7 +7,9 @@ from dataclasses import dataclass, field
 
 from splitserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from splitserve.engine.core import EngineCore
+from splitserve.engine.prompt_digest import salted_root
 from splitserve.errors import InvalidRequestError
+from splitserve.protocol.cache_salt import check_cache_salt
 from splitserve.protocol.engine import CompletionDelta, EngineRequest, FinishReason, Logprob
 from splitserve.sampling_params import SamplingParams
 from splitserve.tokens import PromptTokens
@@ -68,36 +70,42 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
-    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None
-                 ) -> list[RequestOutput]:
-        """prompts: a string, a token-id list, a PromptTokens, or a list of those."""
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 *, cache_salt: str | None = None) -> list[RequestOutput]:
+        """prompts: a string, a token-id list, a PromptTokens, or a list of those.
+        cache_salt: these prompts share prefix-cache blocks only with requests of the same
+        salt (protocol/cache_salt.py)."""
         if isinstance(prompts, (str, PromptTokens)) or _is_token_ids(prompts):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise InvalidRequestError("need one SamplingParams per prompt", "sampling_params")
-        results = [self._add(p, sp) for p, sp in zip(prompts, params)]
+        root = _root(cache_salt)
+        results = [self._add(p, sp, root) for p, sp in zip(prompts, params)]
         return self._run(results)
 
     def chat(self, messages: list[dict] | list[list[dict]],
-             sampling_params: SamplingParams | None = None, add_generation_prompt: bool = True
-             ) -> list[RequestOutput]:
+             sampling_params: SamplingParams | None = None, add_generation_prompt: bool = True,
+             *, cache_salt: str | None = None) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.tokenizer.apply_chat_template(m, add_generation_prompt=add_generation_prompt)
                    for m in conversations]
         tokens = [PromptTokens(self.tokenizer.encode(p, add_special_tokens=False)) for p in prompts]
-        results = [self._add(t, sampling_params or SamplingParams(), text=p)
+        root = _root(cache_salt)
+        results = [self._add(t, sampling_params or SamplingParams(), root, text=p)
                    for t, p in zip(tokens, prompts)]
         return self._run(results)
 
-    def _add(self, prompt, params: SamplingParams, text: str | None = None) -> RequestOutput:
+    def _add(self, prompt, params: SamplingParams, root: bytes,
+             text: str | None = None) -> RequestOutput:
         if isinstance(prompt, str):
             text, prompt = prompt, PromptTokens(self.tokenizer.encode(prompt))
         elif not isinstance(prompt, PromptTokens):
             prompt = PromptTokens.from_list(prompt)
         request_id = str(next(self._ids))
-        self.engine.add_request(EngineRequest(request_id, params, len(prompt)), prompt)
+        self.engine.add_request(EngineRequest(request_id, params, len(prompt), hash_root=root),
+                                prompt)
         return RequestOutput(request_id, text, prompt, [CompletionOutput(i) for i in range(params.n)])
 
     def _run(self, results: list[RequestOutput]) -> list[RequestOutput]:
@@ -113,6 +121,11 @@ class LLM:
                     self.engine.abort_request(r.request_id)
             self.engine.step()
         return results
+
+
+def _root(cache_salt: str | None) -> bytes:
+    check_cache_salt(cache_salt)
+    return salted_root(cache_salt)
 
 
 def _is_token_ids(x) -> bool:

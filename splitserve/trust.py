@@ -8,7 +8,9 @@ only, decode from a KV handle, resume after given tokens), and a worker takes it
 of the API key (the orchestrator does not forward client keys).
 
 Both comparisons are constant-time (hmac.compare_digest). Keys and secrets are compared as
-UTF-8; a header that is not the exact bytes fails the check, it never passes it.
+UTF-8; a header that is not the exact bytes fails the check, it never passes it. A server
+may take several API keys (one per tenant): a presented key is compared with every one of
+them, whichever matches, so the time taken does not say which.
 """
 
 from __future__ import annotations
@@ -95,26 +97,49 @@ def carries_disaggregated_params(body: bytes) -> bool:
         return False
 
 
+def api_keys(value) -> tuple[str, ...]:
+    """A server's API keys from a configuration value: None (open), one key, or several."""
+    keys = (value,) if isinstance(value, str) else value or ()
+    if not isinstance(keys, (list, tuple)) or not all(isinstance(k, str) and k for k in keys):
+        raise ValueError("api_key must be a non-empty string or a list of them")
+    return tuple(keys)
+
+
 class Gate:
-    """A server's checks: its API key (None: open) and the cluster's internal secret (None:
+    """A server's checks: its API keys (none: open) and the cluster's internal secret (None:
     no internal request is accepted)."""
 
-    __slots__ = ("api_key", "secret")
+    __slots__ = ("api_keys", "secret")
 
-    def __init__(self, api_key: str | None, internal_secret: str | None):
-        self.api_key = api_key.encode() if api_key else None
+    def __init__(self, api_key: str | tuple[str, ...] | None, internal_secret: str | None):
+        self.api_keys = tuple(k.encode() for k in api_keys(api_key))
         self.secret = internal_secret.encode() if internal_secret else None
 
     def internal(self, header: Callable[[str], str | None]) -> bool:
         """The request carries the cluster's internal secret (header(name) reads a header)."""
         return self.secret is not None and _same(header(INTERNAL_HEADER), self.secret)
 
+    def _key(self, header: Callable[[str], str | None]) -> str | None:
+        """The configured API key the request presents, else None. Every key is compared."""
+        given, found = bearer_token(header("Authorization")), None
+        for key in self.api_keys:
+            if _same(given, key):
+                found = given
+        return found
+
+    def tenant(self, header: Callable[[str], str | None]) -> str | None:
+        """The API key a public client presented (whose cache it may share,
+        protocol/cache_salt.py); None for an internal request or an open server."""
+        if not self.api_keys or self.internal(header):
+            return None
+        return self._key(header)
+
     def key_refusal(self, path: str, header: Callable[[str], str | None],
                     accept_internal: bool = False) -> Refusal | None:
-        """401 for a public route without the API key (or, accept_internal, the secret)."""
-        if self.api_key is None or not is_public(path):
+        """401 for a public route without an API key (or, accept_internal, the secret)."""
+        if not self.api_keys or not is_public(path):
             return None
-        if self._key_shown(header):
+        if self._key(header) is not None:
             return None
         if accept_internal and self.internal(header):
             return None
@@ -126,12 +151,9 @@ class Gate:
         or nothing (an open route such as /health without the key)."""
         if self.internal(header):
             return Standing.INTERNAL
-        if self.api_key is None or self._key_shown(header):
+        if not self.api_keys or self._key(header) is not None:
             return Standing.CLIENT
         return Standing.UNPROVEN
-
-    def _key_shown(self, header: Callable[[str], str | None]) -> bool:
-        return _same(bearer_token(header("Authorization")), self.api_key)
 
     def body_refusal(self, header: Callable[[str], str | None], body: bytes) -> Refusal | None:
         """A worker's check of a body, before anything of it is acted on (the key was

@@ -46,6 +46,15 @@ def engine(source, backend="tcp", lease=30.0, timeout=5.0, dtype="float32", bloc
     return EngineCore(cfg, source)
 
 
+def serving(*engines):
+    """A fixture's body (`yield from`): the engines, then their KV transports closed."""
+    try:
+        yield engines
+    finally:
+        for e in engines:
+            e.remote_kv.close()
+
+
 def drain(e, until=lambda deltas: False, timeout=20.0):
     deltas, deadline = [], time.monotonic() + timeout
     while e.has_unfinished_requests() or e.pending:

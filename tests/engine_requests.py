@@ -6,12 +6,13 @@ from splitserve.protocol.engine import EngineRequest, RequestKind
 
 
 def add_request(engine, request_id, prompt, params, *, context_only=False, remote=None,
-                stream=True, resumed=None, received_time=None, prompt_back=False) -> None:
+                stream=True, resumed=None, received_time=None, prompt_back=False,
+                hash_root=b"") -> None:
     kind = (RequestKind.CONTEXT_ONLY if context_only else
             RequestKind.GENERATION_ONLY if remote is not None else RequestKind.AGGREGATED)
     request = EngineRequest(request_id, params, len(prompt), prompt.is_placeholder, kind, remote,
                             stream, 0 if resumed is None else len(resumed),
-                            prompt_back=prompt_back)
+                            prompt_back=prompt_back, hash_root=hash_root)
     engine.add_request(request, prompt, resumed, received_time)
 
 

@@ -56,6 +56,30 @@ def test_up_refuses_its_configuration_before_starting_a_worker():
     assert "Traceback" not in done.stderr
 
 
+@pytest.mark.parametrize("argv, said", [
+    (("--cache-isolation", "api_key"), "up: cache_isolation api_key needs API keys"),
+    (("--api-key", "sk-a,b"), "up: an API key must not contain a comma"),
+])
+def test_up_refuses_keys_it_cannot_isolate_or_hand_on(monkeypatch, argv, said):
+    monkeypatch.delenv("SPLITSERVE_API_KEY", raising=False)
+    done = run("--log-level", "INFO", "up", *argv, "--port", str(free_port()))
+    assert done.returncode == 2 and said in done.stderr, done.stderr[-2000:]
+    assert "ctx:" not in done.stderr and "sk-a" not in done.stderr
+
+
+def test_up_hands_its_keys_and_isolation_to_every_worker(monkeypatch):
+    from splitserve.cli import build_parser
+    from splitserve.orchestrator.up import cluster_secrets, worker_command
+    from splitserve.placement import WorkerPlan
+    monkeypatch.delenv("SPLITSERVE_API_KEY", raising=False)
+    args = build_parser().parse_args(["up", "--api-key", "sk-1", "sk-2", "--cache-isolation",
+                                      "api_key"])
+    args.log_level = "INFO"
+    assert cluster_secrets(args)["SPLITSERVE_API_KEY"] == "sk-1,sk-2"
+    cmd = worker_command(args, "gen", 9001, WorkerPlan((1,), 1, (0,)))
+    assert cmd[cmd.index("--cache-isolation") + 1] == "api_key" and "sk-1" not in cmd
+
+
 def test_a_model_that_does_not_exist_ends_serve_with_its_name():
     done = run("serve", "--model", "/nonexistent/model", "--port", str(free_port()))
     assert done.returncode == 1, done.stderr[-2000:]

@@ -49,15 +49,19 @@ def check_length_only(params: SamplingParams, remote) -> None:
                                   "comes from a context worker", "prompt_logprobs")
 
 
-def check_relayed_prompt(tokens: np.ndarray, handle: KVHandle, block_size: int) -> list[bytes]:
+def check_relayed_prompt(tokens: np.ndarray, handle: KVHandle, block_size: int,
+                         root: bytes = b"") -> list[bytes]:
     """The relayed prompt's full-block hashes (for its prefix caching), once its digest is the
-    one the context worker computed for the KV it leased (engine/prompt_digest.py)."""
+    one the context worker computed for the KV it leased (engine/prompt_digest.py). root:
+    the request's salted_root; the context worker's digest was chained from its own, so a
+    request whose salt did not reach both workers alike is refused here."""
     param = "disaggregated_params.prompt_token_ids"
     if not handle.prompt_digest:
         raise InvalidRequestError("the KV handle carries no prompt digest to check the relayed "
                                   "prompt against", param)
-    hashes = chain_hashes(b"", tokens, block_size)
-    if not hmac.compare_digest(prompt_digest(tokens, block_size, hashes), handle.prompt_digest):
+    hashes = chain_hashes(root, tokens, block_size)
+    digest = prompt_digest(tokens, block_size, hashes, root)
+    if not hmac.compare_digest(digest, handle.prompt_digest):
         raise InvalidRequestError("the relayed prompt does not match the prompt the context "
                                   "worker prefilled", param)
     return hashes

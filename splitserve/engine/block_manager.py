@@ -59,7 +59,7 @@ class BlockManager:
         """Hash every full block of the first num_tokens tokens not hashed yet."""
         bs, done = self.block_size, len(req.block_hashes)
         if done < num_tokens // bs:
-            parent = req.block_hashes[-1] if done else b""
+            parent = req.block_hashes[-1] if done else req.hash_root
             req.block_hashes += chain_hashes(parent, req.token_slice(done * bs, num_tokens), bs)
 
     def prompt_hashes(self, req: Request) -> list[bytes]:
@@ -69,7 +69,8 @@ class BlockManager:
 
     def prompt_digest(self, req: Request) -> str:
         """engine/prompt_digest.py's digest of req's prompt, from its block hashes."""
-        return prompt_digest(req.prompt.array, self.block_size, self.prompt_hashes(req))
+        return prompt_digest(req.prompt.array, self.block_size, self.prompt_hashes(req),
+                             req.hash_root)
 
     def find_cached_prefix(self, req: Request) -> np.ndarray:
         """Blocks holding the longest cached prefix of req's tokens. At least one token is

@@ -83,7 +83,7 @@ class EngineCore(FailureHandling):
             self.remote_kv.check(remote, len(prompt), self.model_config.vocab_size)
             if not prompt.is_placeholder:
                 hashes = check_relayed_prompt(prompt.array, remote.handle,
-                                              self.block_manager.block_size)
+                                              self.block_manager.block_size, request.hash_root)
             else:   # the context worker's: trusted, as the peer that sent them is
                 hashes = self.remote_kv.peer_hashes(remote.handle, len(prompt))
         if prompt.is_placeholder:
@@ -106,13 +106,15 @@ class EngineCore(FailureHandling):
         them after its prefill (output.py)."""
         rid, params, n = request.request_id, request.params, request.params.n
         eos = () if params.ignore_eos else self.model_config.eos_token_ids
+        root = request.hash_root
         siblings = [Request(f"{rid}#{i}", prompt, sibling_params(params, i), eos,
-                            self.max_model_len, received_time, group_id=rid, index=i)
+                            self.max_model_len, received_time, group_id=rid, index=i,
+                            hash_root=root)
                     for i in range(1, n)]
         # hashes: verified, so what its pulled KV is filed under in the prefix cache.
         leader = Request(f"{rid}#0" if n > 1 else rid, prompt, params, eos, self.max_model_len,
                          received_time, group_id=rid, kind=request.kind, remote=request.remote,
-                         siblings=siblings, block_hashes=hashes,
+                         siblings=siblings, block_hashes=hashes, hash_root=root,
                          resumed=None if resumed is None else resumed.tolist())
         leader.pull_prompt = prompt.is_placeholder and reads_prompt(params, request.prompt_back)
         leader.prompt_back = leader.pull_prompt and request.prompt_back

@@ -17,7 +17,6 @@ import msgspec
 from splitserve.config import KVTransferConfig
 from splitserve.engine.admission import check_relayed_prompt
 from splitserve.engine.block_manager import BlockManager
-from splitserve.engine.prompt_digest import prompt_digest
 from splitserve.engine.kv_leases import LeaseTable
 from splitserve.engine.request import NO_BLOCKS, Request
 from splitserve.errors import InvalidRequestError
@@ -75,7 +74,7 @@ class RemoteKV:
         """Move req's block references into a lease, with its prompt's token ids for a GEN
         that asks for them; the caller finishes the request."""
         hashes = self.bm.prompt_hashes(req)
-        digest = prompt_digest(req.prompt.array, self.bm.block_size, hashes)
+        digest = self.bm.prompt_digest(req)
         token = self.leases.add(req.request_id, req.block_ids, req.num_prompt_tokens, digest,
                                 req.prompt.array)
         req.block_ids = NO_BLOCKS
@@ -158,7 +157,7 @@ class RemoteKV:
             error = "the context worker sent prompt token ids outside the vocabulary"
         else:
             try:
-                hashes = check_relayed_prompt(tokens, req.remote.handle, bs)
+                hashes = check_relayed_prompt(tokens, req.remote.handle, bs, req.hash_root)
             except InvalidRequestError as exc:
                 error = f"the prompt token ids pulled with the KV: {exc.message}"
             if hashes is not None and req.block_hashes and req.block_hashes != hashes:

@@ -4,7 +4,12 @@ chained hash of the last full block, which prefix caching computes anyway
 (chain_hash, below). A generation worker given the prompt's tokens recomputes it before
 it allocates a block or pulls a byte (admission.check_relayed_prompt): KV computed for one
 prompt must never be filed in its prefix cache under another prompt's tokens, where later
-requests would reuse it."""
+requests would reuse it.
+
+A request's cache_salt enters here once: its chain starts from salted_root(salt) instead
+of b"", so every block hash and the digest depend on it, and two requests share cached
+blocks only if they share the salt. Without a salt the root is b"": the hashes of a request
+without one are what they were before salts existed."""
 
 from __future__ import annotations
 
@@ -12,15 +17,29 @@ import hashlib
 
 import numpy as np
 
-# Its own personalisation: a digest never equals any block's chain hash.
+# Their own personalisations: a digest never equals any block's chain hash, and a salt's
+# root is no hash of tokens (so no salt's chain meets the unsalted one, nor another's).
 _PERSON = b"splitserve-pdig"
+_SALT_PERSON = b"splitserve-salt"
 
 
-def prompt_digest(tokens: np.ndarray, block_size: int, full_hashes: list[bytes]) -> str:
-    """Hex digest of tokens, given the chained hashes of its full blocks (all of them)."""
+def salted_root(salt: str | None) -> bytes:
+    """Where the chained hashes of a request with this cache_salt start: b"" for none, else
+    16 bytes. The one definition: the engine, the worker's front-end and the orchestrator
+    (KV-aware routing) all call it, so their hashes agree."""
+    if not salt:
+        return b""
+    return hashlib.blake2b(salt.encode("utf-8", "surrogatepass"), digest_size=16,
+                           person=_SALT_PERSON).digest()
+
+
+def prompt_digest(tokens: np.ndarray, block_size: int, full_hashes: list[bytes],
+                  root: bytes = b"") -> str:
+    """Hex digest of tokens, given the chained hashes of its full blocks (all of them),
+    chained from root (salted_root): a prompt shorter than a block binds its salt too."""
     n_full = len(tokens) // block_size
     assert len(full_hashes) == n_full, "one chained hash per full block"
-    h = hashlib.blake2b(full_hashes[-1] if n_full else b"", digest_size=16, person=_PERSON)
+    h = hashlib.blake2b(full_hashes[-1] if n_full else root, digest_size=16, person=_PERSON)
     h.update(tokens[n_full * block_size:].astype("<i4", copy=False).tobytes())
     h.update(len(tokens).to_bytes(8, "little"))
     return h.hexdigest()
@@ -43,7 +62,7 @@ def chain_hashes(parent: bytes, tokens: np.ndarray, block_size: int) -> list[byt
     return out
 
 
-def digest_of_tokens(tokens: np.ndarray, block_size: int) -> str:
+def digest_of_tokens(tokens: np.ndarray, block_size: int, root: bytes = b"") -> str:
     """prompt_digest of a prompt whose block hashes are not at hand (a client building a
     generation_only request, a GEN checking relayed tokens)."""
-    return prompt_digest(tokens, block_size, chain_hashes(b"", tokens, block_size))
+    return prompt_digest(tokens, block_size, chain_hashes(root, tokens, block_size), root)

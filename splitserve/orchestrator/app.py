@@ -28,6 +28,7 @@ from splitserve.orchestrator.metrics import OrchestratorMetrics
 from splitserve.orchestrator.pools import Pools
 from splitserve.orchestrator.registry import (NOT_INTERNAL, PATHS, LocalMembership, Registry,
                                               RemoteMembership)
+from splitserve.protocol.cache_salt import CacheIsolation, derivation_key
 from splitserve.protocol.openai import error_body, status_error_body
 from splitserve.signals import wait_for_stop_signal
 from splitserve.trust import Gate
@@ -51,6 +52,8 @@ class Orchestrator:
             raise ValueError(NO_SECRET)
         self.config, self.reuse_port = config, control_url is not None
         self.gate = Gate(config.api_key, config.internal_secret)
+        self.isolation = CacheIsolation(config.cache_isolation,
+                                        derivation_key(config.internal_secret))
         self.metrics = OrchestratorMetrics()
         self.pools = Pools(config, self.metrics)
         self.decider = Decider(config, self.metrics)
@@ -109,6 +112,8 @@ class Orchestrator:
         self.metrics.in_flight.inc()
         try:
             body = relay.parse_body(request.body)
+            body = relay.salted(body, self.isolation.salt(body.get("cache_salt"),
+                                                          self.gate.tenant(request.header)))
             plan = await self.decider.plan(request, body, self.pools.gen.servers)
             if plan.local:
                 route = "aggregated"

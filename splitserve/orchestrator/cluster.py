@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 
 import yaml
 
+from splitserve.protocol.cache_salt import check_isolation
+from splitserve.trust import api_keys
+
 RELAY_MODES = ("list", "b64", "metadata", "auto")
 
 
@@ -49,9 +52,6 @@ class ClusterConfig:
     # A generation worker that dies mid-stream: continue the stream on another one from the
     # tokens already sent (orchestrator/migrate.py); off: the stream ends with an error event.
     migrate_streams: bool = True
-    # Clients send `Authorization: Bearer <api_key>` when it is set. Every request to a
-    # worker carries internal_secret (splitserve/trust.py); the orchestrator does not start
-    # without it. Neither is ever logged.
     # Prompts of at most this many tokens (or whose tokens but this many a GEN already
     # caches) are prefilled on the GEN itself, skipping CTX and the KV transfer
     # (orchestrator/decide.py). 0: every prompt goes through CTX.
@@ -60,8 +60,15 @@ class ClusterConfig:
     # for the decision above and KV-aware routing. None: prompts are counted from their
     # bytes only, chat prompts not at all.
     model: str | None = None
-    api_key: str | None = field(default=None, repr=False)
+    # Clients send `Authorization: Bearer <key>` with one of these keys when any is set (in
+    # the YAML: one key or a list). Every request to a worker carries internal_secret
+    # (splitserve/trust.py); the orchestrator does not start without it. Neither is ever
+    # logged.
+    api_key: tuple[str, ...] = field(default=(), repr=False)
     internal_secret: str | None = field(default=None, repr=False)
+    # none | api_key: a client shares prefix-cache blocks only with clients of its own key
+    # (protocol/cache_salt.py); the effective salt rides each body sent to a worker.
+    cache_isolation: str = "none"
 
     def __post_init__(self):
         if self.token_relay not in RELAY_MODES:
@@ -84,6 +91,7 @@ class ClusterConfig:
             raise ValueError(f"max_retries must be 0 or more, got {self.max_retries!r}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes!r}")
+        check_isolation(self.cache_isolation, self.api_key)
 
     @classmethod
     def from_yaml(cls, path: str) -> ClusterConfig:
@@ -100,6 +108,11 @@ class ClusterConfig:
         unknown = set(raw) - {f for f in cls.__dataclass_fields__}
         if unknown:
             raise ValueError(f"{where}: unknown keys {sorted(unknown)}")
+        if "api_key" in raw:
+            try:
+                raw["api_key"] = api_keys(raw["api_key"])
+            except ValueError as exc:
+                raise ValueError(f"{where}: {exc}") from None
         return cls(**pools, **raw)
 
 

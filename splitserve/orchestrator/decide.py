@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from splitserve.engine.prompt_digest import salted_root
 from splitserve.errors import InvalidRequestError
 from splitserve.metrics import Counter, Gauge
 from splitserve.orchestrator import relay
@@ -99,10 +100,11 @@ class Decider:
 
     async def _tokenize(self, body: dict, info: RequestInfo) -> None:
         sizes = self.index.block_sizes() if self.index is not None else ()
+        root = salted_root(body.get("cache_salt"))   # the effective salt (app.py)
 
         def work():
             ids = self.tokens.token_ids(body)
-            return (None, {}) if ids is None else (len(ids), block_hashes(ids, sizes))
+            return (None, {}) if ids is None else (len(ids), block_hashes(ids, sizes, root))
         info.num_tokens, info.hashes = await asyncio.get_running_loop().run_in_executor(
             self._pool, work)
 

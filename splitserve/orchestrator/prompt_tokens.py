@@ -92,9 +92,10 @@ class PromptTokenizer:
         return self.tokenizer.encode(text, add_special_tokens)
 
 
-def block_hashes(ids: np.ndarray, block_sizes) -> dict[int, list[bytes]]:
-    """The chained hashes of the prompt's full blocks, per block size. A request's last
-    token is always computed (engine/block_manager.find_cached_prefix), so its block counts
-    only if another token follows it: the same blocks a worker could reuse."""
+def block_hashes(ids: np.ndarray, block_sizes, root: bytes = b"") -> dict[int, list[bytes]]:
+    """The chained hashes of the prompt's full blocks, per block size, from root (the
+    request's engine/prompt_digest.salted_root: a worker hashes with its salt too). A
+    request's last token is always computed (engine/block_manager.find_cached_prefix), so
+    its block counts only if another token follows it: the same blocks a worker could reuse."""
     usable = ids[:max(len(ids) - 1, 0)]
-    return {bs: chain_hashes(b"", usable, bs) for bs in block_sizes}
+    return {bs: chain_hashes(root, usable, bs) for bs in block_sizes}

@@ -10,6 +10,7 @@ import orjson
 
 from splitserve.errors import InvalidRequestError
 from splitserve.orchestrator.cluster import RELAY_MODES
+from splitserve.protocol.cache_salt import check_cache_salt
 
 SSE = "text/event-stream"
 
@@ -60,7 +61,17 @@ def parse_body(raw: bytes) -> dict:
         raise InvalidRequestError("disaggregated_params is set by the orchestrator, not the client",
                                   "disaggregated_params")
     _check_stream_fields(body)
+    check_cache_salt(body.get("cache_salt"))
     return body
+
+
+def salted(body: dict, salt: str | None) -> dict:
+    """The client's body with the effective cache_salt (protocol/cache_salt.py) in place of
+    its own: what every worker is sent, and what the orchestrator's block hashes start
+    from. Internal requests, so the workers take the salt as it is."""
+    if salt == body.get("cache_salt"):
+        return body
+    return {**body, "cache_salt": salt}
 
 
 def _check_stream_fields(body: dict) -> None:

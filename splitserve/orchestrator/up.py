@@ -44,6 +44,8 @@ def worker_command(args, role: str, port: int, cpus: WorkerPlan) -> list[str]:
            "--register", f"http://{args.host}:{args.port}"]
     if args.model:
         cmd += ["--model", args.model]
+    if args.cache_isolation != "none":   # a client going around the orchestrator is isolated too
+        cmd += ["--cache-isolation", args.cache_isolation]
     if role == "gen" and args.gen_api_servers > 1:
         cmd += ["--api-server-count", str(args.gen_api_servers)]
     return cmd
@@ -64,14 +66,16 @@ def free_ports(first: int, count: int) -> list[int]:
 
 
 def cluster_secrets(args) -> dict[str, str]:
-    """The API key (--api-key or the environment's) and the internal secret (the
+    """The API keys (--api-key or the environment's) and the internal secret (the
     environment's, else a fresh one) as the variables every child reads them from: a
     command line is readable by every local user, a process's environment is not. Workers
-    get the API key too, so a client that goes around the orchestrator needs it as well."""
+    get the API keys too, so a client that goes around the orchestrator needs one as well."""
     out = {"SPLITSERVE_INTERNAL_SECRET": envs.internal_secret() or secrets.token_urlsafe(32)}
-    api_key = args.api_key or envs.api_key()
-    if api_key:
-        out["SPLITSERVE_API_KEY"] = api_key
+    keys = args.api_key or envs.api_keys()
+    if any("," in k for k in keys):   # the workers' variable separates keys by commas
+        raise ValueError("an API key must not contain a comma")
+    if keys:
+        out[envs.API_KEY] = ",".join(keys)
     return out
 
 
@@ -133,15 +137,16 @@ def up(args) -> int:
     # Workers are told their CPUs on their command lines, so they may leave this one's.
     pin_process(plan.orchestrator_cpus, "orchestrator")
     logger.info("up: orchestrator on CPUs %s", format_cpus(plan.orchestrator_cpus))
-    secret_env = cluster_secrets(args)
     limits = {k: getattr(args, k) for k in ("max_in_flight", "first_byte_timeout",
                                             "idle_timeout") if getattr(args, k) is not None}
     # No urls: the workers register (--register) and come and go like any others. Built
     # before any worker starts: a value it refuses is a usage error, with nothing to stop.
     try:
+        secret_env = cluster_secrets(args)
         config = ClusterConfig(PoolConfig((), args.ctx_router), PoolConfig((), args.gen_router),
                                host=args.host, port=args.port, processes=args.orchestrators,
-                               api_key=secret_env.get("SPLITSERVE_API_KEY"),
+                               api_key=tuple(args.api_key or envs.api_keys()),
+                               cache_isolation=args.cache_isolation,
                                internal_secret=secret_env["SPLITSERVE_INTERNAL_SECRET"],
                                local_prefill_max_tokens=args.local_prefill_max_tokens,
                                model=args.model or DEFAULT_MODEL, **limits)

@@ -33,7 +33,8 @@ def add_arguments(p) -> None:
                           "event (default 600)")
     p.add_argument("--idle-timeout", type=float, default=None,
                      help="seconds a GEN stream may go without sending anything (default 120)")
-    p.add_argument("--api-key", default=None,
-                     help="clients must send `Authorization: Bearer <key>` to the orchestrator "
-                          "and the workers (default: $SPLITSERVE_API_KEY; none: open). The "
-                          "internal secret is $SPLITSERVE_INTERNAL_SECRET, else generated")
+    from splitserve.cli import add_api_key_arguments
+    add_api_key_arguments(p, "clients must send `Authorization: Bearer <key>` with one of "
+                             "these keys to the orchestrator and the workers (default: "
+                             "$SPLITSERVE_API_KEY, comma-separated; none: open). The internal "
+                             "secret is $SPLITSERVE_INTERNAL_SECRET, else generated")

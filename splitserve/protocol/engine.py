@@ -131,11 +131,17 @@ class EngineRequest(msgspec.Struct, gc=False):
     # A length-only prompt whose values the front-end needs (echo): the engine pulls them
     # with the KV and hands them back in the first delta (CompletionDelta.prompt_bytes).
     prompt_back: bool = False
+    # engine/prompt_digest.salted_root of the request's effective cache_salt (b"": none):
+    # where its chained block hashes start. The salt itself never reaches the engine.
+    hash_root: bytes = b""
 
     def __post_init__(self):
         if (self.kind == RequestKind.GENERATION_ONLY) != (self.remote is not None):
             raise InvalidRequestError("a generation_only request, and only one, carries the "
                                       "context worker's KV handle", "disaggregated_params")
+        if len(self.hash_root) not in (0, HASH_BYTES):
+            raise InvalidRequestError(f"hash_root must be empty or {HASH_BYTES} bytes",
+                                      "cache_salt")
 
     @property
     def num_tokens(self) -> int:

@@ -13,6 +13,7 @@ from typing import Literal
 import msgspec
 
 from splitserve.errors import InvalidRequestError
+from splitserve.protocol.cache_salt import check_cache_salt
 from splitserve.protocol.disagg import DisaggregatedParams
 from splitserve.sampling_params import INT32_MAX, MAX_N, MAX_STOP, SamplingParams
 
@@ -49,6 +50,8 @@ class _BaseRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     prompt_logprobs: int | None = None
+    # Requests share prefix-cache blocks only if they share it (protocol/cache_salt.py)
+    cache_salt: str | None = None
     disaggregated_params: DisaggregatedParams | None = None
 
     @property
@@ -62,6 +65,7 @@ class _BaseRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
                f"at most {MAX_STOP} stop strings are supported", "stop")
         _check(self.prompt_logprobs is None or not self.stream,
                "prompt_logprobs is not supported with stream", "prompt_logprobs")
+        check_cache_salt(self.cache_salt)
 
     @property
     def include_usage(self) -> bool:

@@ -26,9 +26,10 @@ def request_kind(req) -> RequestKind:
 
 def engine_requests(req, rid: str, prompts: list[PromptTokens], params: SamplingParams,
                     ready: EngineReady, remote: RemotePrefill | None = None,
-                    ) -> tuple[list[EngineRequest], PromptTokens | None]:
+                    hash_root: bytes = b"") -> tuple[list[EngineRequest], PromptTokens | None]:
     """One EngineRequest per prompt (ids rid, or rid-0, rid-1, ... for several), once every
-    check that names a client's parameter passed; and the resumed output, if any."""
+    check that names a client's parameter passed; and the resumed output, if any.
+    hash_root: the salted root every prompt's block hashes start from."""
     check_prompts(prompts, params, ready)
     check_prompt_logprobs(req, prompts, params)
     kind = request_kind(req)
@@ -42,7 +43,7 @@ def engine_requests(req, rid: str, prompts: list[PromptTokens], params: Sampling
     back = prompts[0].is_placeholder and bool(getattr(req, "echo", False))
     return [EngineRequest(rid if len(prompts) == 1 else f"{rid}-{i}", params, len(p),
                           p.is_placeholder, kind, remote, bool(req.stream), n_resumed,
-                          prompt_back=back)
+                          prompt_back=back, hash_root=hash_root)
             for i, p in enumerate(prompts)], resumed
 
 

@@ -19,6 +19,7 @@ from splitserve.httpd.limits import LISTEN_BACKLOG
 from splitserve.httpd.router import NO_BODY, Route, Router
 from splitserve.httpd.server import Admission
 from splitserve.model.loader import load_model_source
+from splitserve.protocol.cache_salt import CacheIsolation, derivation_key
 from splitserve.protocol.openai import error_body, status_error_body
 from splitserve.server.admission import check_message_count, encode_prompt
 from splitserve.server.config import ServerConfig
@@ -75,6 +76,8 @@ class WorkerServer:
             lambda i: self.tokenizer.decode([i], skip_special_tokens=False))
         self.created = int(time.time())
         self.gate = Gate(config.api_key, config.internal_secret)
+        self.isolation = CacheIsolation(config.cache_isolation,
+                                        derivation_key(config.internal_secret))
         self.handlers = gen = GenerateHandlers(self)
         body = config.max_body_bytes
         self.router = Router({

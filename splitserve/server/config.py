@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from splitserve.config import EngineConfig
 from splitserve.httpd.limits import HTTPLimits
+from splitserve.protocol.cache_salt import check_isolation
 
 ROLES = ("agg", "ctx", "gen")
 
@@ -25,10 +26,14 @@ class ServerConfig:
     max_waiting_requests: int = 4096
     engine_stall_seconds: float = 60.0     # no engine step this long, holding work: /health 503
     http: HTTPLimits = field(default_factory=HTTPLimits)   # timeouts, caps (httpd/limits.py)
-    # Public endpoints need `Authorization: Bearer <api_key>` when set; internal requests
-    # (anything carrying disaggregated_params) need the internal secret. Never logged.
-    api_key: str | None = field(default=None, repr=False)
+    # Public endpoints need `Authorization: Bearer <key>` with one of these keys when any is
+    # set; internal requests (anything carrying disaggregated_params) need the internal
+    # secret. Never logged.
+    api_key: tuple[str, ...] = field(default=(), repr=False)
     internal_secret: str | None = field(default=None, repr=False)
+    # none | api_key: whose prefix-cache blocks a public client may share
+    # (protocol/cache_salt.py); api_key: only those of clients with its own key.
+    cache_isolation: str = "none"
     engine: EngineConfig = field(default_factory=EngineConfig)
     # HTTP front-end processes sharing the port and one engine process (server/frontends.py)
     api_server_count: int = 1
@@ -47,6 +52,7 @@ class ServerConfig:
             raise ValueError(f"api_server_count must be at least 1, got {self.api_server_count}")
         if not self.engine_stall_seconds > 0:
             raise ValueError("engine_stall_seconds must be positive")
+        check_isolation(self.cache_isolation, self.api_key)
 
     @property
     def log_prefix(self) -> str:

@@ -15,6 +15,7 @@ from typing import AsyncIterator
 
 import numpy as np
 
+from splitserve.engine.prompt_digest import salted_root
 from splitserve.httpd import ChunkedStream, Request, Response
 from splitserve.protocol.disagg import DisaggregatedParams, relayed_handle
 from splitserve.protocol.engine import CompletionDelta, EngineRequest, RequestKind
@@ -117,10 +118,16 @@ class GenerateHandlers:
                 lambda: [tok.decode(p.array, skip_special_tokens=False) for p in prompts])
         return prompts, texts
 
+    def _hash_root(self, request: Request, req) -> bytes:
+        """Where the request's block hashes start: its effective salt's root (a public
+        client's under --cache-isolation api_key is derived from its key)."""
+        salt = self.server.isolation.salt(req.cache_salt, self.server.gate.tenant(request.header))
+        return salted_root(salt)
+
     async def _respond(self, request, req, prompts, params, echo, arrival, remote=None):
         rid = response_id(isinstance(req, ChatCompletionRequest))
-        requests, resumed = engine_requests(req, rid, prompts, params,
-                                            self.server.engine.ready, remote)
+        requests, resumed = engine_requests(req, rid, prompts, params, self.server.engine.ready,
+                                            remote, self._hash_root(request, req))
         kwargs = dict(token_text=self.server.token_text, echo=echo, request_id=rid)
         deltas = self._merged(requests, prompts, resumed)
         if echo is ECHO_BACK:
