@@ -313,6 +313,9 @@ def main(argv: list[str] | None = None) -> int:
     args.log_level = (args.log_level or envs.log_level()).upper()
     os.environ["SPLITSERVE_LOG_LEVEL"] = args.log_level
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(message)s")
+    # The secret known now; values read or derived later are registered where they are.
+    from splitserve import redact
+    redact.install(getattr(args, "internal_secret", None), envs.internal_secret())
     return args.func(args)
 
 
