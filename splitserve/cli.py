@@ -92,8 +92,9 @@ def _add_secret_arguments(p, what: str) -> None:
                    help=f"clients of {what} must send `Authorization: Bearer <key>` on /v1/*, "
                         "/tokenize and /detokenize (default: $SPLITSERVE_API_KEY; none: open)")
     p.add_argument("--internal-secret", default=None,
-                   help="the cluster's internal secret, which the orchestrator's requests to "
-                        "workers carry (default: $SPLITSERVE_INTERNAL_SECRET; prefer the "
+                   help="the cluster's internal secret, from which workers prove who they are "
+                        "and the orchestrator's requests to them are authorized, never sent "
+                        "itself (default: $SPLITSERVE_INTERNAL_SECRET; prefer the "
                         "variable: every local user can read a command line)")
 
 

@@ -2,10 +2,11 @@
 
 Code that logs an error logs its type and `str`, never a repr that may carry request
 headers (an aiohttp error's repr holds its RequestInfo, headers included). This is the
-backstop: every value that must not be logged is registered here (`sensitive`), and a
-filter on the root logger's handlers replaces any whole occurrence of one, in the
-formatted message and in the exception and stack text, with MARKER. Every process
-installs it where it sets up logging (cli.py, a front-end process, an engine process).
+backstop: every value that must not be logged is registered here (`sensitive`:
+trust.Keys registers the secret and each token and proof it derives), and a filter on
+the root logger's handlers replaces any whole occurrence of one, in the formatted
+message and in the exception and stack text, with MARKER. Every process installs it
+where it sets up logging (cli.py, a front-end process, an engine process).
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import yaml
 
@@ -49,9 +50,10 @@ class ClusterConfig:
     # A generation worker that dies mid-stream: continue the stream on another one from the
     # tokens already sent (orchestrator/migrate.py); off: the stream ends with an error event.
     migrate_streams: bool = True
-    # Clients send `Authorization: Bearer <api_key>` when it is set. Every request to a
-    # worker carries internal_secret (splitserve/trust.py); the orchestrator does not start
-    # without it. Neither is ever logged.
+    # Clients send `Authorization: Bearer <api_key>` when it is set. Workers prove their
+    # identity with internal_secret, and every request to one carries a token derived from
+    # it (splitserve/trust.py); the orchestrator does not start without it. Neither is ever
+    # logged or sent.
     # Prompts of at most this many tokens (or whose tokens but this many a GEN already
     # caches) are prefilled on the GEN itself, skipping CTX and the KV transfer
     # (orchestrator/decide.py). 0: every prompt goes through CTX.
@@ -109,6 +111,14 @@ def _pool(raw) -> PoolConfig:
     return PoolConfig(tuple(raw.get("urls", ())), raw.get("router", "round_robin"))
 
 
+class Credentials(NamedTuple):
+    """What a server's last identity check proved (trust.py): the instance id it proved,
+    the token requests to it carry, and the proof its answers must carry."""
+    instance: str
+    token: str
+    proof: str
+
+
 @dataclass(eq=False)     # compared by identity: a request's failed tries name these objects
 class Server:
     """One worker as this orchestrator sees it. `load` is what routers weigh: the worker's
@@ -120,9 +130,13 @@ class Server:
     The report is max(running + waiting, in_flight): running and waiting are the engine's,
     so they count every front-end process of the worker and every orchestrator's requests;
     in_flight (the answering front-end's open generation requests) also counts those not
-    in the engine yet (tokenizing, queued on the ZeroMQ socket)."""
+    in the engine yet (tokenizing, queued on the ZeroMQ socket).
+
+    healthy: routed to. Only after a health check verified the worker's identity (creds)
+    and found it serving; cleared, with creds, when it fails or refuses a request."""
     url: str
-    healthy: bool = True
+    healthy: bool = False
+    creds: Credentials | None = None
     in_flight: int = 0            # this orchestrator's requests open on it
     static: bool = True           # from the YAML: never leaves the pool
     reported: int | None = None   # the last report's load, None before the first

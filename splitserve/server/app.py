@@ -72,7 +72,7 @@ class WorkerServer:
         self.token_text = functools.lru_cache(maxsize=65536)(
             lambda i: self.tokenizer.decode([i], skip_special_tokens=False))
         self.created = int(time.time())
-        self.gate = Gate(config.api_key, config.internal_secret)
+        self.gate = Gate(config.api_key, config.internal_secret, config.instance_id)
         self.handlers = gen = GenerateHandlers(self)
         self.routes = {                    # path -> (method, handler)
             "/v1/completions": ("POST", gen.completions),
@@ -116,7 +116,14 @@ class WorkerServer:
 
     async def dispatch(self, request: Request) -> Response | ChunkedStream:
         """Route a request; every failure becomes an OpenAI-style error body, nothing escapes
-        as a traceback."""
+        as a traceback. An answer to a request whose internal token checked out carries
+        the response proof (a stream's head carries it: generate.py)."""
+        response = await self._answer(request)
+        if type(response) is Response and self.gate.token is not None:
+            response.headers = self.gate.proven(request.header, response.headers)
+        return response
+
+    async def _answer(self, request: Request) -> Response | ChunkedStream:
         route = self.routes.get(request.path)
         status = 500
         try:
@@ -134,7 +141,7 @@ class WorkerServer:
             return response
         except NotInternal:
             status = 403
-            return _refused(forbidden(self.gate.secret is not None))
+            return _refused(forbidden(self.gate.token is not None))
         except ModelNotFound as exc:
             status = 404
             return _error(404, exc.message, "NotFoundError", exc.param, "model_not_found")
@@ -161,13 +168,17 @@ class WorkerServer:
             "owned_by": "splitserve", "max_model_len": ready.max_model_len if ready else None}]})
 
     async def health(self, request: Request) -> Response:
+        """Up or not, and the answer to a challenge (trust.py) whichever it is."""
         problem = self.engine.health()
         if problem is None:
             # `bench frontend --url` refuses a worker whose KV backend is not `none`
-            return json_response({"status": "ok", "role": self.config.role,
-                                  "kv_backend": self.config.engine.kv.backend,
-                                  "load": self.load()})
-        return _error(503, problem, "server_error")
+            response = json_response({"status": "ok", "role": self.config.role,
+                                      "kv_backend": self.config.engine.kv.backend,
+                                      "load": self.load()})
+        else:
+            response = _error(503, problem, "server_error")
+        response.headers = self.gate.identity(request.header)
+        return response
 
     def load(self) -> dict:
         """GET /health's "load": the engine's running and waiting requests and KV use

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from splitserve.config import EngineConfig
 from splitserve.httpd.limits import HTTPLimits
+from splitserve.trust import new_instance_id
 
 ROLES = ("agg", "ctx", "gen")
 
@@ -26,13 +27,18 @@ class ServerConfig:
     engine_stall_seconds: float = 60.0     # no engine step this long, holding work: /health 503
     http: HTTPLimits = field(default_factory=HTTPLimits)   # timeouts, caps (httpd/limits.py)
     # Public endpoints need `Authorization: Bearer <api_key>` when set; internal requests
-    # (anything carrying disaggregated_params) need the internal secret. Never logged.
+    # (anything carrying disaggregated_params) need the token derived from the internal
+    # secret for instance_id (splitserve/trust.py). Never logged.
     api_key: str | None = field(default=None, repr=False)
     internal_secret: str | None = field(default=None, repr=False)
     engine: EngineConfig = field(default_factory=EngineConfig)
     # HTTP front-end processes sharing the port and one engine process (server/frontends.py)
     api_server_count: int = 1
     register: str | None = None    # an orchestrator's url to register with (registration.py)
+    # This worker's instance id (trust.py): made with the serve process's config, so its
+    # front-ends (--api-server-count), which get this config, share it; a restarted worker
+    # has a new one.
+    instance_id: str = field(default_factory=new_instance_id)
 
     def __post_init__(self):
         if self.role not in ROLES:
