@@ -93,8 +93,9 @@ def _add_secret_arguments(p, what: str, isolation_default: str | None = "none") 
                              f"(default: $SPLITSERVE_API_KEY, comma-separated; none: open)",
                           isolation_default)
     p.add_argument("--internal-secret", default=None,
-                   help="the cluster's internal secret, which the orchestrator's requests to "
-                        "workers carry (default: $SPLITSERVE_INTERNAL_SECRET; prefer the "
+                   help="the cluster's internal secret, from which workers prove who they are "
+                        "and the orchestrator's requests to them are authorized, never sent "
+                        "itself (default: $SPLITSERVE_INTERNAL_SECRET; prefer the "
                         "variable: every local user can read a command line)")
 
 
@@ -333,6 +334,9 @@ def main(argv: list[str] | None = None) -> int:
     args.log_level = (args.log_level or envs.log_level()).upper()
     os.environ["SPLITSERVE_LOG_LEVEL"] = args.log_level
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(message)s")
+    # The secret known now; values read or derived later are registered where they are.
+    from splitserve import redact
+    redact.install(getattr(args, "internal_secret", None), envs.internal_secret())
     return args.func(args)
 
 

@@ -11,14 +11,26 @@ import urllib.error
 import urllib.request
 
 from splitserve.bench.server_process import ServerProcess, free_port
-from splitserve.trust import INTERNAL_HEADER
+from splitserve.internal_client import InternalClient
 
 # The internal secret of every process the tests start (they inherit this environment),
-# as `splitserve up` would hand it to its workers. post() and stream() send it, so a test
-# may play the orchestrator's part on a worker's own port; tests of what a public client
-# may do send their own headers.
+# as `splitserve up` would hand it to its workers. post() and stream() send the target's
+# token (trust.py), so a test may play the orchestrator's part on a worker's own port;
+# tests of what a public client may do send their own headers.
 TEST_SECRET = os.environ.setdefault("SPLITSERVE_INTERNAL_SECRET", "test-internal-secret")
-INTERNAL = {INTERNAL_HEADER: TEST_SECRET}
+CLIENT = InternalClient(TEST_SECRET)
+
+
+def internal(url: str) -> dict[str, str]:
+    """The headers of an internal request to the server at url: its instance's token,
+    learnt through the challenge on its /health (again after a 403: CLIENT.urlopen)."""
+    return CLIENT.headers(url)
+
+
+def _open(req: urllib.request.Request, timeout: float, internal_call: bool):
+    if internal_call:
+        return CLIENT.urlopen(req, timeout)
+    return urllib.request.urlopen(req, timeout=timeout)
 
 
 class Worker(ServerProcess):
@@ -49,12 +61,12 @@ def get(url: str) -> tuple[int, bytes]:
 
 
 def post(url: str, body, timeout: float = 120, headers: dict | None = None) -> tuple[int, dict]:
-    """headers: instead of the internal secret's (INTERNAL)."""
+    """headers: instead of the target's internal token."""
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, headers={
-        "Content-Type": "application/json", **(INTERNAL if headers is None else headers)})
+        "Content-Type": "application/json", **(headers or {})})
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
+        with _open(req, timeout, headers is None) as r:
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
@@ -85,12 +97,12 @@ def assert_unauthorized(status: int, body: dict, headers: dict, message_start: s
 def stream(url: str, body: dict, timeout: float = 120,
            headers: dict | None = None) -> list[dict | str]:
     """POST with stream: true; returns the parsed SSE events (the final '[DONE]' as a str).
-    headers: instead of the internal secret's (INTERNAL)."""
+    headers: instead of the target's internal token."""
     data = json.dumps({**body, "stream": True}).encode()
     req = urllib.request.Request(url, data=data, headers={
-        "Content-Type": "application/json", **(INTERNAL if headers is None else headers)})
+        "Content-Type": "application/json", **(headers or {})})
     events = []
-    with urllib.request.urlopen(req, timeout=timeout) as r:
+    with _open(req, timeout, headers is None) as r:
         assert r.headers["Content-Type"].startswith("text/event-stream")
         for line in r:
             line = line.decode().strip()
@@ -114,8 +126,10 @@ class Orchestrator(ServerProcess):
     """`splitserve orchestrator -c cluster.yaml` in a subprocess, healthy on return."""
 
     def __init__(self, tmp_path, ctx_urls, gen_urls, ctx_router="round_robin",
-                 gen_router="least_loaded", timeout: float = 60.0, **config):
-        """config: more ClusterConfig fields (max_in_flight, idle_timeout, ...)."""
+                 gen_router="least_loaded", timeout: float = 60.0, healthy: bool = True,
+                 **config):
+        """config: more ClusterConfig fields (max_in_flight, idle_timeout, ...). healthy:
+        False returns once it answers /health, whatever it says."""
         import yaml
         port = free_port()
         path = tmp_path / f"cluster-{port}.yaml"
@@ -125,7 +139,18 @@ class Orchestrator(ServerProcess):
             "context_servers": {"urls": list(ctx_urls), "router": ctx_router},
             "generation_servers": {"urls": list(gen_urls), "router": gen_router}}))
         super().__init__(["orchestrator", "-c", str(path)], port)
-        wait_healthy(self, timeout)
+        if healthy:
+            wait_healthy(self, timeout)
+        else:
+            wait_for(lambda: _answers(self.url), timeout, "the orchestrator listening")
+
+
+def _answers(url: str) -> bool:
+    try:
+        get(url + "/health")
+        return True
+    except (OSError, http.client.HTTPException):
+        return False
 
 
 def descendants(pid: int) -> set[int]:

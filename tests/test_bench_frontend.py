@@ -141,8 +141,9 @@ def test_held_requests_cycle_through_lengths_around_max_tokens():
     assert all(b["ignore_eos"] and b["disaggregated_params"]["prompt_len"] == 64 for b in held)
 
 
-def test_raw_client_reads_chunked_and_sized_answers_and_stamps_the_write():
+def test_raw_client_reads_chunked_and_sized_answers_and_stamps_the_write(monkeypatch):
     from splitserve.httpd.client import HTTPConnection
+    monkeypatch.delenv("SPLITSERVE_INTERNAL_SECRET")    # a plain server: no challenge
     seen = []
 
     async def serve(reader, writer):
@@ -165,3 +166,42 @@ def test_raw_client_reads_chunked_and_sized_answers_and_stamps_the_write():
     (s1, b1, t1), (s2, b2, t2) = asyncio.run(main())
     assert (s1, b1, s2, b2) == (200, b"abcde", 404, b"no")
     assert seen == [(t1, b"{}"), (t2, b"[1]")]
+
+
+def test_raw_client_calls_a_worker_with_the_token_of_the_instance_it_proves(monkeypatch):
+    """As the orchestrator does: the instance id learnt through the challenge, its token on
+    every request; a 403 (the worker restarted) learns the new one and sends again, once."""
+    from splitserve.httpd.client import HTTPConnection
+    from splitserve.trust import (CHALLENGE_HEADER, IDENTITY_HEADER, INTERNAL_HEADER, Keys,
+                                  new_instance_id)
+    keys, instance, tokens = Keys("raw-client-secret"), [new_instance_id()], []
+    monkeypatch.setenv("SPLITSERVE_INTERNAL_SECRET", "raw-client-secret")
+
+    async def serve(reader, writer):
+        while head := await reader.readuntil(b"\r\n\r\n"):
+            fields = dict(line.decode().split(": ", 1) for line in head[:-4].split(b"\r\n")[1:])
+            await reader.readexactly(int(fields["Content-Length"]))
+            if CHALLENGE_HEADER in fields:
+                proof = keys.identity(fields[CHALLENGE_HEADER], instance[0])
+                writer.write(f"HTTP/1.1 200 OK\r\n{IDENTITY_HEADER}: {proof}\r\n"
+                             f"Content-Length: 0\r\n\r\n".encode())
+                continue
+            tokens.append(fields.get(INTERNAL_HEADER))
+            ok = fields.get(INTERNAL_HEADER) == keys.token(instance[0])
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok" if ok else
+                         b"HTTP/1.1 403 Forbidden\r\nContent-Length: 2\r\n\r\nno")
+
+    async def main():
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        conn = await HTTPConnection.open("http://127.0.0.1:%d" % server.sockets[0].getsockname()[1])
+        first = await conn.post("/v1/completions", b"{}")
+        old = instance[0]
+        instance[0] = new_instance_id()                          # it restarted
+        second = await conn.post("/v1/completions", b"{}")
+        conn.close()
+        server.close()
+        return first[0], second[0], old
+    first, second, old = asyncio.run(main())
+    assert (first, second) == (200, 200)
+    assert tokens == [keys.token(old), keys.token(old), keys.token(instance[0])]
+    assert "raw-client-secret" not in tokens

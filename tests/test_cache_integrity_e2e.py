@@ -11,7 +11,7 @@ import urllib.request
 import numpy as np
 import pytest
 
-from server_utils import INTERNAL, Orchestrator, Worker, metrics
+from server_utils import Orchestrator, Worker, internal, metrics
 
 MODEL = ("--model", "tiny-random", "--dtype", "float32")
 rng = np.random.default_rng(13)
@@ -21,9 +21,9 @@ BODY = {"model": "tiny-random", "max_tokens": 12, "temperature": 0, "ignore_eos"
 
 
 def post(url: str, body: dict) -> tuple[int, dict]:
-    """With the cluster's internal secret, as the orchestrator sends it."""
+    """With the worker's internal token, as the orchestrator sends it."""
     req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={
-        "Content-Type": "application/json", **INTERNAL})
+        "Content-Type": "application/json", **internal(url)})
     try:
         with urllib.request.urlopen(req, timeout=120) as r:
             return r.status, json.loads(r.read())

@@ -190,7 +190,7 @@ def test_the_gate_names_the_key_a_client_presented():
     for key, h in headers.items():
         assert gate.tenant(h.get) == key
         assert (gate.key_refusal("/v1/completions", h.get) is None) == (key is not None)
-    internal = {"Authorization": "Bearer sk-1", INTERNAL_HEADER: "internal"}
+    internal = {"Authorization": "Bearer sk-1", INTERNAL_HEADER: gate.token.decode()}
     assert gate.tenant(internal.get) is None
     assert Gate(None, None).tenant(headers["sk-1"].get) is None
 

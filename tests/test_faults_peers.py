@@ -5,113 +5,22 @@ event that never ends, an answer that never ends).
 
 Each fault ends that one request with a clear error (a JSON error body, or an SSE error
 event then [DONE] once the stream has started), and the orchestrator then serves the next
-request through the same workers."""
+request through the same workers.
+
+The peers prove who they are as a worker does (peer_utils.py); one that stops proving, or
+that restarted, is refused or verified again."""
 
 from __future__ import annotations
 
 import http.client
-import http.server
 import json
-import threading
 
 import pytest
 
+from peer_utils import (HANDOFF, PROMPT, Peer, endless, event, good_ctx, good_gen, send,
+                        send_json)
 from server_utils import Orchestrator, alive, get, stream, wait_for
-
-PROMPT = {"model": "tiny-random", "prompt": "Once upon a time", "max_tokens": 4}
-HANDOFF = {"id": "cmpl-ctx", "object": "text_completion", "created": 1, "model": "tiny-random",
-           "choices": [{"index": 0, "text": "", "logprobs": None, "finish_reason": None}],
-           "disaggregated_params": {"request_type": "context_only", "ctx_request_id": "r1",
-                                    "first_gen_tokens": [5], "prompt_len": 4,
-                                    "kv_handle": {"endpoint": "tcp://127.0.0.1:1"}}}
-CHUNK = {"id": "cmpl-gen", "object": "text_completion", "created": 1, "model": "tiny-random"}
-
-
-def event(text: str, finish: str | None = None) -> bytes:
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-    return b"data: " + json.dumps({**CHUNK, "choices": [choice]}).encode() + b"\n\n"
-
-
-GOOD_STREAM = b": ids 5\n\n" + event("a") + b": ids 6\n\n" + event("b", "length") + \
-    b"data: [DONE]\n\n"
-GOOD_WHOLE = {**CHUNK, "choices": [{"index": 0, "text": "ab", "logprobs": None,
-                                    "finish_reason": "length"}],
-              "usage": {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6}}
-
-
-class Peer(http.server.ThreadingHTTPServer):
-    """A worker's HTTP surface (/health with a load, the generation endpoints) whose answer
-    to a generation request is `self.answer(handler, body)`: a test sets it."""
-
-    daemon_threads = True
-
-    def __init__(self, answer, health=None):
-        super().__init__(("127.0.0.1", 0), _Handler)
-        self.answer, self.health, self.requests = answer, health, 0
-        threading.Thread(target=self.serve_forever, daemon=True).start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}"
-
-
-class _Handler(http.server.BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.0"       # the body ends when the connection closes
-
-    def log_message(self, *args) -> None:
-        pass
-
-    def do_GET(self) -> None:
-        if self.server.health is not None:
-            try:
-                return self.server.health(self)
-            except (BrokenPipeError, ConnectionResetError):
-                return
-        body = json.dumps({"status": "ok", "load": {"running": 0, "waiting": 0,
-                                                    "in_flight": 0}}).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.end_headers()
-        self.wfile.write(body)
-
-    def do_POST(self) -> None:
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        self.server.requests += 1
-        try:
-            self.server.answer(self, body)
-        except (BrokenPipeError, ConnectionResetError):
-            pass                            # the orchestrator gave up on us: as it should
-
-
-def send(h, status: int, ctype: str, *parts: bytes) -> None:
-    h.send_response(status)
-    h.send_header("Content-Type", ctype)
-    h.end_headers()
-    for part in parts:
-        h.wfile.write(part)
-
-
-def send_json(h, obj, status: int = 200) -> None:
-    send(h, status, "application/json", json.dumps(obj).encode())
-
-
-def endless(h, status: int, ctype: str, head: bytes, filler: bytes) -> None:
-    """head, then filler until the orchestrator hangs up."""
-    send(h, status, ctype, head)
-    block = filler * (1 << 20)
-    while True:
-        h.wfile.write(block)
-
-
-def good_ctx(h, body) -> None:
-    send_json(h, HANDOFF)
-
-
-def good_gen(h, body) -> None:
-    if body.get("stream"):
-        send(h, 200, "text/event-stream", GOOD_STREAM)
-    else:
-        send_json(h, GOOD_WHOLE)
+from splitserve.trust import new_instance_id
 
 
 @pytest.fixture(scope="module")
@@ -249,4 +158,44 @@ def test_a_gen_whose_health_never_ends_is_marked_down_and_read_no_further(tmp_pa
     finally:
         orch.close()
         for p in (ctx, gen, bad):
+            p.shutdown()
+
+
+@pytest.mark.parametrize("role", ["ctx", "gen"])
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
+def test_an_answer_without_the_response_proof_never_reaches_the_client(cluster, role, streamed):
+    """A worker's answer without the proof of the instance the orchestrator verified (what a
+    process that took its port after the last health check sends) is a server error: the
+    worker is marked down, nothing of the answer reaches the client."""
+    ctx, gen, orch = cluster
+    peer = ctx if role == "ctx" else gen
+    peer.proves = False
+    try:
+        status, body = post(orch.url, {**PROMPT, "stream": streamed})
+    finally:
+        peer.proves = True
+    assert status == 503, (status, body)
+    worker = "context worker" if role == "ctx" else "generation worker"
+    assert worker in body["error"]["message"], body
+    serves_normally(ctx, gen, orch)       # checked again at once: it proves itself, it serves
+
+
+def test_a_restarted_gen_is_verified_again_at_once_and_serves_the_request(tmp_path):
+    """A GEN that restarted since its last health check refuses the token of its previous
+    instance (403): the orchestrator checks it again at once, not at the next interval
+    (here ten minutes away), and the same request is served by the new instance."""
+    ctx, gen = Peer(good_ctx), Peer(good_gen)
+    orch = Orchestrator(tmp_path, [ctx.url], [gen.url], max_retries=1,
+                        health_check_interval=600, load_poll_interval=0)
+    try:
+        serves_normally(ctx, gen, orch)
+        gen.instance = new_instance_id()
+        status, body = post(orch.url, PROMPT)
+        assert status == 200 and body["choices"][0]["text"] == "ab", body
+        assert gen.refused == 1          # the old token, once; then the new instance's
+        serves_normally(ctx, gen, orch)
+        assert gen.refused == 1
+    finally:
+        orch.close()
+        for p in (ctx, gen):
             p.shutdown()

@@ -15,7 +15,7 @@ import time
 import pytest
 import yaml
 
-from server_utils import (INTERNAL, TEST_SECRET, Orchestrator, Worker, alive, call, engine_pid,
+from server_utils import (TEST_SECRET, Orchestrator, Worker, alive, call, engine_pid, internal,
                           get, metrics, post, stream, wait_for, wait_healthy)
 from splitserve.bench.server_process import ServerProcess, free_port
 
@@ -177,7 +177,7 @@ class SteadyClient:
 
 
 def members(url: str) -> set[str]:
-    status, body, _ = call("GET", url + API, headers=INTERNAL)
+    status, body, _ = call("GET", url + API, headers=internal(url))
     assert status == 200, body
     return {m["url"] for m in body["data"]}
 
@@ -204,16 +204,16 @@ def test_workers_join_and_leave_a_fleet_without_failed_requests(tmp_path, worker
         assert joined.url not in members(fleet.url)
         # Registered by hand, removed by hand: alive, it gets nothing more.
         call("POST", fleet.url + API, {"role": "generation", "url": other.url, "ttl": 60},
-             headers=INTERNAL)
+             headers=internal(fleet.url))
         wait_for(lambda: relayed(other.url) > 0, 30, "the registered worker gets traffic")
-        call("DELETE", fleet.url + API, {"url": other.url}, headers=INTERNAL)
+        call("DELETE", fleet.url + API, {"url": other.url}, headers=internal(fleet.url))
         wait_for(lambda: in_every_pool(fleet, other.url, False), 30, "left every pool")
         frozen, count = relayed(other.url), client.count
         wait_for(lambda: client.count >= count + 6, 60, "more requests served")
         assert relayed(other.url) == frozen
         # Registered again, then killed: routed around, then removed.
         call("POST", fleet.url + API, {"role": "generation", "url": other.url, "ttl": 60},
-             headers=INTERNAL)
+             headers=internal(fleet.url))
         wait_for(lambda: relayed(other.url) > frozen, 30, "it gets traffic again")
         engine = engine_pid(other)
         other.proc.send_signal(signal.SIGKILL)

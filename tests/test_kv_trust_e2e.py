@@ -15,7 +15,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from splitserve.bench.server_process import free_port
 
-from server_utils import (INTERNAL, TEST_SECRET, Orchestrator, UpCluster, Worker, descendants,
+from server_utils import (TEST_SECRET, Orchestrator, UpCluster, Worker, descendants, internal,
                           metrics, post, stream)
 
 MODEL = ("--model", "tiny-random", "--dtype", "float32")
@@ -42,10 +42,10 @@ def cluster(tmp_path_factory):
 
 
 def internal_post(url, body):
-    """A worker's internal request, carrying the cluster's secret as the orchestrator does."""
+    """A worker's internal request, carrying its token as the orchestrator does."""
     req = urllib.request.Request(url, data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json",
-                                          **INTERNAL})
+                                          **internal(url)})
     try:
         with urllib.request.urlopen(req, timeout=120) as r:
             return r.status, json.loads(r.read())

@@ -122,7 +122,7 @@ def test_off_counts_nothing_and_sends_everything_to_ctx():
 def test_a_gen_holding_the_prompt_prefills_it_and_is_pinned():
     d = decider(8)
     ids = np.arange(100, 164, dtype=np.int32)
-    gens = [Server("http://gen:1"), Server("http://gen:2")]
+    gens = [Server("http://gen:1", healthy=True), Server("http://gen:2", healthy=True)]
     d.index.held[gens[1].url] = Held("v", 16, frozenset(chain_hashes(b"", ids, 16)))
     p = plan(d, {"prompt": ids.tolist() + [7, 8, 9]}, gens)
     assert (p.local, p.reason, p.info.pin) == (True, "gen_prefix_hit", gens[1].url)

@@ -7,9 +7,10 @@ import time
 import pytest
 import yaml
 
-from server_utils import INTERNAL, call, wait_for
+from server_utils import TEST_SECRET, CLIENT, call, internal, wait_for
 from splitserve.bench.server_process import ServerProcess, free_port
 from splitserve.orchestrator.registry import MAX_MEMBERS, MAX_URL_CHARS
+from splitserve.trust import INTERNAL_HEADER, Keys, new_instance_id
 
 API = "/internal/workers"
 
@@ -19,14 +20,11 @@ def start_orchestrator(tmp_path, **config) -> ServerProcess:
     port = free_port()
     path = tmp_path / f"cluster-{port}.yaml"
     path.write_text(yaml.safe_dump({
-        "port": port, "health_check_interval": 0.5, "internal_secret": INTERNAL_SECRET,
+        "port": port, "health_check_interval": 0.5, "internal_secret": TEST_SECRET,
         "context_servers": {"urls": []}, "generation_servers": {"urls": []}, **config}))
     orch = ServerProcess(["orchestrator", "-c", str(path)], port)
     wait_for(lambda: answers(orch.url), 60, "orchestrator listening")
     return orch
-
-
-INTERNAL_SECRET = next(iter(INTERNAL.values()))
 
 
 def answers(url: str) -> bool:
@@ -38,7 +36,7 @@ def answers(url: str) -> bool:
 
 
 def members(url: str) -> dict[str, str]:
-    status, body, _ = call("GET", url + API, headers=INTERNAL)
+    status, body, _ = call("GET", url + API, headers=internal(url))
     assert status == 200 and body["object"] == "list", body
     return {m["url"]: m["role"] for m in body["data"]}
 
@@ -54,14 +52,29 @@ def dead_url() -> str:
     return f"http://127.0.0.1:{free_port()}"     # nothing listens there
 
 
+# What a client without the token may try: the secret itself (in the header that carried it,
+# in the one tokens ride, as a Bearer key), a wrong token, and the token of another instance (a worker
+# or an orchestrator that is gone: what a process squatting its port may have collected).
+FORGERIES = {
+    "none": lambda url: {},
+    "the secret, old header": lambda url: {"X-Splitserve-Internal-Secret": TEST_SECRET},
+    "the secret": lambda url: {INTERNAL_HEADER: TEST_SECRET},
+    "the secret as a key": lambda url: {"Authorization": f"Bearer {TEST_SECRET}"},
+    "a wrong token": lambda url: {INTERNAL_HEADER: "0" * 64},
+    "another instance's token": lambda url: {
+        INTERNAL_HEADER: Keys(TEST_SECRET).token(new_instance_id())},
+    "this instance's token from another secret": lambda url: {
+        INTERNAL_HEADER: Keys("another").token(CLIENT.learn(url))},
+}
+
+
 @pytest.mark.parametrize("method,path", [("GET", API), ("POST", API), ("DELETE", API),
                                          ("POST", API + "/remove")])
-@pytest.mark.parametrize("headers", [{}, {"X-Splitserve-Internal-Secret": "wrong"},
-                                     {"Authorization": f"Bearer {INTERNAL_SECRET}"}])
-def test_a_public_client_gets_403(orch, method, path, headers):
+@pytest.mark.parametrize("forgery", list(FORGERIES))
+def test_a_client_without_the_token_gets_403(orch, method, path, forgery):
     url = dead_url()
     body = {"role": "generation", "url": url} if method != "GET" else None
-    status, answer, _ = call(method, orch.url + path, body, headers=headers)
+    status, answer, _ = call(method, orch.url + path, body, headers=FORGERIES[forgery](orch.url))
     assert status == 403, answer
     assert answer["error"]["type"] == "invalid_request_error"
     assert url not in members(orch.url)
@@ -81,7 +94,7 @@ def test_a_public_client_gets_403(orch, method, path, headers):
     (["generation", "http://127.0.0.1:1"], None),
 ])
 def test_a_bad_registration_is_a_400_naming_the_field(orch, body, param):
-    status, answer, _ = call("POST", orch.url + API, body, headers=INTERNAL)
+    status, answer, _ = call("POST", orch.url + API, body, headers=internal(orch.url))
     assert status == 400, answer
     error = answer["error"]
     assert error["type"] == "invalid_request_error" and error["param"] == param, error
@@ -90,7 +103,7 @@ def test_a_bad_registration_is_a_400_naming_the_field(orch, body, param):
 
 def test_a_body_that_is_not_json_is_a_400(orch):
     import urllib.request
-    req = urllib.request.Request(orch.url + API, b"{nope", method="POST", headers=INTERNAL)
+    req = urllib.request.Request(orch.url + API, b"{nope", method="POST", headers=internal(orch.url))
     with pytest.raises(urllib.error.HTTPError) as exc:
         urllib.request.urlopen(req, timeout=10)
     assert exc.value.code == 400
@@ -101,17 +114,17 @@ def test_register_list_and_leave_both_ways(orch):
     a, b = dead_url(), dead_url()
     for url, role in ((a, "context"), (b, "generation")):
         status, answer, _ = call("POST", orch.url + API, {"role": role, "url": url + "/",
-                                                          "ttl": 60}, headers=INTERNAL)
+                                                          "ttl": 60}, headers=internal(orch.url))
         assert status == 200 and url in {m["url"] for m in answer["data"]}
     assert members(orch.url) == {a: "context", b: "generation"}
-    assert call("DELETE", orch.url + API, {"url": a}, headers=INTERNAL)[0] == 200
-    assert call("POST", orch.url + API + "/remove", {"url": b}, headers=INTERNAL)[0] == 200
+    assert call("DELETE", orch.url + API, {"url": a}, headers=internal(orch.url))[0] == 200
+    assert call("POST", orch.url + API + "/remove", {"url": b}, headers=internal(orch.url))[0] == 200
     assert members(orch.url) == {}
 
 
 def test_a_worker_failing_its_health_checks_leaves(orch):
     url = dead_url()
-    call("POST", orch.url + API, {"role": "generation", "url": url, "ttl": 600}, headers=INTERNAL)
+    call("POST", orch.url + API, {"role": "generation", "url": url, "ttl": 600}, headers=internal(orch.url))
     assert url in members(orch.url)
     t = time.monotonic()
     wait_for(lambda: url not in members(orch.url), 15, "the unhealthy worker gone")
@@ -122,7 +135,7 @@ def test_a_lapsed_lease_leaves(tmp_path):
     orch = start_orchestrator(tmp_path, remove_unhealthy_after=600)
     try:
         url = dead_url()
-        call("POST", orch.url + API, {"role": "context", "url": url, "ttl": 1}, headers=INTERNAL)
+        call("POST", orch.url + API, {"role": "context", "url": url, "ttl": 1}, headers=internal(orch.url))
         assert url in members(orch.url)
         wait_for(lambda: url not in members(orch.url), 10, "the lease lapsed")
     finally:
@@ -138,12 +151,12 @@ def test_members_are_bounded(tmp_path):
     try:
         for url in urls:
             assert call("POST", orch.url + API, {"role": "generation", "url": url, "ttl": 600},
-                        headers=INTERNAL)[0] == 200
+                        headers=internal(orch.url))[0] == 200
         status, answer, _ = call("POST", orch.url + API, {"role": "generation",
-                                 "url": dead_url()}, headers=INTERNAL)
+                                 "url": dead_url()}, headers=internal(orch.url))
         assert status == 400 and "limit of 256" in answer["error"]["message"], answer
         # a member renews its lease at the limit
         assert call("POST", orch.url + API, {"role": "generation", "url": urls[0]},
-                    headers=INTERNAL)[0] == 200
+                    headers=internal(orch.url))[0] == 200
     finally:
         orch.close()

@@ -6,7 +6,7 @@ import urllib.request
 
 import pytest
 
-from server_utils import INTERNAL, Worker, post
+from server_utils import Worker, internal, post
 
 BODY = {"model": "tiny-random", "messages": [{"role": "user", "content": "Count to ten"}],
         "max_tokens": 14, "temperature": 0, "ignore_eos": True}
@@ -21,7 +21,8 @@ def worker():
 
 def raw_stream(url: str, body: dict) -> list[str]:
     req = urllib.request.Request(url, data=json.dumps({**body, "stream": True}).encode(),
-                                 headers={"Content-Type": "application/json", **INTERNAL})
+                                 headers={"Content-Type": "application/json",
+                                          **internal(url)})
     with urllib.request.urlopen(req, timeout=120) as r:
         return [line.decode().rstrip("\n") for line in r if line.strip()]
 

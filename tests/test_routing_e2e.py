@@ -8,7 +8,7 @@ import base64
 import numpy as np
 import pytest
 
-from server_utils import INTERNAL, Orchestrator, Worker, call, metrics, post, wait_for
+from server_utils import Orchestrator, Worker, call, internal, metrics, post, wait_for
 from splitserve.engine.prompt_digest import chain_hashes
 from splitserve.orchestrator import relay
 from splitserve.orchestrator.cluster import Server
@@ -104,7 +104,7 @@ def test_long_prompts_still_go_through_ctx(conditional):
 
 
 def kv_blocks(url, **headers) -> tuple[int, dict]:
-    status, body, _ = call("GET", url + "/internal/kv_blocks", headers=headers or INTERNAL)
+    status, body, _ = call("GET", url + "/internal/kv_blocks", headers=headers or internal(url))
     return status, body
 
 
@@ -133,7 +133,7 @@ def test_kv_blocks_is_internal_and_answers_unchanged(workers):
     status, body = kv_blocks(gen.url)
     assert status == 200 and body["block_size"] == BLOCK
     status, again, _ = call("GET", f"{gen.url}/internal/kv_blocks?since={body['version']}",
-                            headers=INTERNAL)
+                            headers=internal(gen.url))
     assert again == {"version": body["version"], "unchanged": True}
 
 

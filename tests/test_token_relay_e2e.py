@@ -6,8 +6,9 @@ import base64
 import numpy as np
 import pytest
 
-from server_utils import INTERNAL, TEST_SECRET, Orchestrator, Worker, metrics, post, stream
+from server_utils import TEST_SECRET, Orchestrator, Worker, metrics, post, stream
 from splitserve.tokens import PromptTokens
+from splitserve.trust import INTERNAL_HEADER, Keys
 
 MODEL = ("--model", "tiny-random", "--dtype", "float32")
 COMPLETION = {"model": "tiny-random", "prompt": "A long time ago in a galaxy far away",
@@ -121,7 +122,9 @@ def test_b64_path_builds_no_python_list_of_the_prompt(cluster, monkeypatch, tiny
         monkeypatch.setattr(PromptTokens, "tolist", forbidden)
         monkeypatch.setattr(PromptTokens, "from_list", forbidden)
         try:
-            async with aiohttp.ClientSession(headers=INTERNAL) as client:
+            # in-process: its instance id is known without a challenge
+            token = Keys(TEST_SECRET).token(server.config.instance_id)
+            async with aiohttp.ClientSession(headers={INTERNAL_HEADER: token}) as client:
                 url = f"http://127.0.0.1:{server.http.port}/v1/completions"
                 async with client.post(url, json={**COMPLETION, "disaggregated_params": {
                         **dp, "request_type": "generation_only"}}) as r:

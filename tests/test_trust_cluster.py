@@ -1,6 +1,7 @@
 """The orchestrator's trust boundary, over real processes: its own API key toward clients,
 the internal secret toward its workers (which have a key of their own it never sees)."""
 
+import json
 import os
 import subprocess
 import sys
@@ -27,8 +28,9 @@ def cluster(tmp_path_factory):
     try:
         tmp = tmp_path_factory.mktemp("trust")
         orchs.append(Orchestrator(tmp, [ctx.url], [gen.url], api_key=KEY))
+        # it cannot verify its workers (they prove the cluster's secret, not its own)
         orchs.append(Orchestrator(tmp, [ctx.url], [gen.url], internal_secret="not-the-secret",
-                                  max_retries=1))
+                                  max_retries=1, healthy=False))
         yield ctx, gen, *orchs
     finally:
         for p in (*orchs, gen, ctx):
@@ -70,6 +72,8 @@ def test_client_disaggregated_params_are_still_refused(cluster):
 
 def test_a_wrong_secret_fails_requests_without_telling_clients_the_insides(cluster):
     ctx, gen, _, wrong = cluster
+    status, health = get(wrong.url + "/health")
+    assert status == 503 and json.loads(health)["healthy"] == {"ctx": [], "gen": []}, health
     status, answer = post(wrong.url + "/v1/chat/completions", CHAT, headers={})
     assert status == 503, answer
     message = answer["error"]["message"]

@@ -1,24 +1,28 @@
 """A worker's trust boundary, over real sockets: the API key on its public routes, and
-disaggregated_params only with the cluster's internal secret (no engine work, no KV dial
-for anything refused)."""
+disaggregated_params only with the internal token for this worker's instance, derived from
+the cluster's internal secret (no engine work, no KV dial for anything refused)."""
 
 import json
 import math
 import select
 import socket
 import time
+import urllib.request
 
 import pytest
 
-from server_utils import (INTERNAL, TEST_SECRET, Worker, assert_unauthorized, call, get, metrics,
-                          post, stream)
-from splitserve.trust import INTERNAL_HEADER
+from server_utils import (CLIENT, TEST_SECRET, Worker, assert_unauthorized, call, get,
+                          internal, metrics, post, stream)
+from splitserve.trust import (CHALLENGE_HEADER, IDENTITY_HEADER, INTERNAL_HEADER, PROOF_HEADER,
+                              Keys, new_challenge, new_instance_id)
 
 KEY = "sk-worker-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 MODEL = ("--model", "tiny-random", "--dtype", "float32")
 PROMPT = {"prompt": "The quick brown fox", "max_tokens": 4, "temperature": 0}
 CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "temperature": 0}
+# The token of another instance of this cluster (a worker that is gone): good nowhere else.
+OTHER = {INTERNAL_HEADER: Keys(TEST_SECRET).token(new_instance_id())}
 PUBLIC = [("GET", "/v1/models", None), ("POST", "/v1/completions", PROMPT),
           ("POST", "/v1/chat/completions", CHAT), ("POST", "/tokenize", {"prompt": "hi"}),
           ("POST", "/detokenize", {"tokens": [1, 2]}), ("GET", "/v1/nowhere", None)]
@@ -56,10 +60,47 @@ def test_public_routes_need_the_api_key(worker, method, path, body):
     assert status == (404 if path == "/v1/nowhere" else 200), answer
 
 
-def test_the_internal_secret_stands_in_for_the_key(worker):
-    assert call("POST", worker.url + "/v1/completions", PROMPT, INTERNAL)[0] == 200
-    wrong = {INTERNAL_HEADER: TEST_SECRET + "x"}
-    assert_unauthorized(*call("POST", worker.url + "/v1/completions", PROMPT, wrong), "You didn't")
+def test_the_internal_token_stands_in_for_the_key(worker):
+    assert call("POST", worker.url + "/v1/completions", PROMPT, internal(worker.url))[0] == 200
+    for wrong in ({INTERNAL_HEADER: TEST_SECRET}, OTHER):   # the secret itself is no token
+        assert_unauthorized(*call("POST", worker.url + "/v1/completions", PROMPT, wrong),
+                            "You didn't")
+
+
+def challenged(url: str, nonce: str) -> tuple[int, str | None]:
+    """GET /health with a challenge: (status, the identity header)."""
+    req = urllib.request.Request(url + "/health", headers={CHALLENGE_HEADER: nonce})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return r.status, r.headers.get(IDENTITY_HEADER)
+
+
+def test_health_proves_the_workers_identity_to_a_fresh_challenge(worker):
+    keys, nonce = Keys(TEST_SECRET), new_challenge()
+    status, answer = challenged(worker.url, nonce)
+    instance = keys.verify(nonce, answer)
+    assert status == 200 and instance is not None, answer
+    assert keys.verify(new_challenge(), answer) is None        # bound to the nonce: no replay
+    assert Keys("another secret").verify(nonce, answer) is None
+    assert TEST_SECRET not in answer and keys.token(instance) not in answer
+    again = new_challenge()
+    assert keys.verify(again, challenged(worker.url, again)[1]) == instance   # one instance
+    for bad in ("short", "x|" * 20, "é" * 20, "a" * 200):     # not a challenge: no answer
+        assert challenged(worker.url, bad)[1] is None
+    assert get(worker.url + "/health")[0] == 200               # still open to anyone
+
+
+def test_only_an_answer_to_the_token_carries_the_response_proof(worker):
+    keys = Keys(TEST_SECRET)
+    proof = keys.proof(CLIENT.learn(worker.url))
+    url = worker.url + "/v1/completions"
+    assert call("POST", url, PROMPT, internal(worker.url))[2].get(PROOF_HEADER) == proof
+    for headers in (AUTH, {**AUTH, **OTHER}, {**AUTH, INTERNAL_HEADER: TEST_SECRET}):
+        status, _, answer_headers = call("POST", url, PROMPT, headers)
+        assert status == 200 and PROOF_HEADER not in answer_headers
+    req = urllib.request.Request(url, json.dumps({**PROMPT, "stream": True}).encode(),
+                                 {"Content-Type": "application/json", **internal(worker.url)})
+    with urllib.request.urlopen(req, timeout=60) as r:      # a stream's head carries it too
+        assert r.headers.get(PROOF_HEADER) == proof and r.read().endswith(b"[DONE]\n\n")
 
 
 def test_health_and_metrics_stay_open(worker):
@@ -76,7 +117,7 @@ def generated(url: str) -> float:
 def context_answer(worker) -> dict:
     status, answer = post(worker.url + "/v1/completions", {
         **PROMPT, "disaggregated_params": {"request_type": "context_only",
-                                           "token_relay": "list"}}, headers={**AUTH, **INTERNAL})
+                                           "token_relay": "list"}}, headers={**AUTH, **internal(worker.url)})
     assert status == 200, answer
     return answer["disaggregated_params"]
 
@@ -117,12 +158,13 @@ def test_internal_fields_from_a_public_client_are_refused(worker):
         before = generated(worker.url)
         for name, (path, body) in forged_bodies(dp, endpoint).items():
             for data in (body, escaped(body)):
-                for headers in (AUTH, {**AUTH, INTERNAL_HEADER: "not-the-secret"}):
+                for headers in (AUTH, {**AUTH, INTERNAL_HEADER: "not-the-token"},
+                                {**AUTH, INTERNAL_HEADER: TEST_SECRET}, {**AUTH, **OTHER}):
                     status, answer = post(worker.url + path, data, headers=headers)
                     assert status == 403, (name, answer)
                     error = answer["error"]
                     assert error["param"] == "disaggregated_params", answer
-                    assert "does not carry the cluster's internal secret" in error["message"]
+                    assert "does not carry the cluster's internal token" in error["message"]
         assert nothing_connects(listener, 3.0), "the worker dialled the forged KV endpoint"
         assert generated(worker.url) == before, "the engine worked on a refused request"
     status, answer = post(worker.url + "/v1/completions", PROMPT, headers=AUTH)
@@ -130,7 +172,7 @@ def test_internal_fields_from_a_public_client_are_refused(worker):
 
 
 def test_internal_fields_with_the_secret_are_served(worker):
-    both = {**AUTH, **INTERNAL}
+    both = {**AUTH, **internal(worker.url)}
     dp = context_answer(worker)
     status, answer = post(worker.url + "/v1/completions", {
         **PROMPT, "disaggregated_params": {**dp, "request_type": "generation_only"}},
@@ -173,11 +215,11 @@ def test_only_an_internal_sender_sets_when_a_request_was_sent(worker):
                     {**AUTH, "X-Sent-At": sent})[0] == 200
     for sent in ("nan", "inf", repr(now + 1000), repr(now - 10_000)):
         assert call("POST", worker.url + "/v1/completions", PROMPT,
-                    {**INTERNAL, "X-Sent-At": sent})[0] == 200
+                    {**internal(worker.url), "X-Sent-At": sent})[0] == 200
     after = e2e_seconds(worker.url)
     assert math.isfinite(after) and after - before < 60, (before, after)
     assert call("POST", worker.url + "/v1/completions", PROMPT,
-                {**INTERNAL, "X-Sent-At": repr(time.time() - 100)})[0] == 200
+                {**internal(worker.url), "X-Sent-At": repr(time.time() - 100)})[0] == 200
     assert e2e_seconds(worker.url) - after >= 100
 
 

@@ -20,7 +20,7 @@ import msgspec
 import torch
 import zmq
 
-from splitserve import envs, placement
+from splitserve import envs, placement, redact
 from splitserve.kernels import build
 from splitserve.model import native_pool
 from splitserve.config import EngineConfig
@@ -51,6 +51,7 @@ def run_engine_core(config: EngineConfig, input_addrs: str | list[str],
     parent = os.getppid() if parent is None else parent
     logging.basicConfig(level=envs.log_level(),
                         format=f"%(asctime)s %(levelname)s {log_prefix} %(message)s")
+    redact.install(config.kv.secret)
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # the front-end decides when we stop
     ctx = zmq.Context()
     out_q: queue.Queue = queue.Queue()

@@ -44,14 +44,16 @@ NO_SECRET = ("the orchestrator needs the cluster's internal secret (the one its 
 class Orchestrator:
     """control_url: one of a fleet (fleet.py): the port is shared (SO_REUSEPORT) and the
     registered workers are kept by the fleet's parent at control_url; None: a registry of
-    this process's own (orchestrator/registry.py)."""
+    this process's own (orchestrator/registry.py). instance: the id it proves on /health
+    and whose token its /internal/ routes take (trust.py): a fleet's, given by its parent;
+    None: one of its own."""
 
     def __init__(self, config: ClusterConfig, limits: HTTPLimits = HTTPLimits(),
-                 control_url: str | None = None):
+                 control_url: str | None = None, instance: str | None = None):
         if not config.internal_secret:
             raise ValueError(NO_SECRET)
         self.config, self.reuse_port = config, control_url is not None
-        self.gate = Gate(config.api_key, config.internal_secret)
+        self.gate = Gate(config.api_key, config.internal_secret, instance)
         self.isolation = CacheIsolation(config.cache_isolation,
                                         derivation_key(config.internal_secret))
         self.metrics = OrchestratorMetrics()
@@ -60,7 +62,8 @@ class Orchestrator:
         self._kv_poll: asyncio.Task | None = None
         self.registry = Registry(config.remove_unhealthy_after) if control_url is None else None
         self.membership = (LocalMembership(self.registry) if control_url is None
-                           else RemoteMembership(control_url, self.pools))
+                           else RemoteMembership(control_url, self.pools,
+                                                 self.pools.keys.token(self.gate.instance)))
         if self.registry is not None:     # leases lapsing, health removals: at once
             self.registry.listeners.append(lambda: self.pools.sync(self.registry.listing()))
         self._registry_task: asyncio.Task | None = None
@@ -149,13 +152,16 @@ class Orchestrator:
                       retry_after=self.config.health_check_interval)
 
     async def health(self, request: Request) -> Response:
+        """Its pools' health, and the answer to a challenge (trust.py): a worker about to
+        register learns this orchestrator's instance id here, whatever the status."""
         body, status = self.pools.health()
         body["pid"] = os.getpid()     # which process of a fleet answered
-        return Response(orjson.dumps(body), status)
+        return Response(orjson.dumps(body), status, headers=self.gate.identity(request.header))
 
     async def internal(self, request: Request) -> Response:
-        """The worker registration API (orchestrator/registry.py): internal requests only
-        (check_head). A change answered here reaches this process's pools at once."""
+        """The worker registration API (orchestrator/registry.py): requests with this
+        orchestrator's token only (check_head). A change answered here reaches this
+        process's pools at once."""
         status, body = await self.membership.call(request.method, request.path, request.body)
         if status == 200:
             self.pools.sync(orjson.loads(body)["data"])
@@ -170,7 +176,7 @@ class Orchestrator:
         await self.pools.start(self.membership)
         if self.registry is not None:
             self._registry_task = asyncio.create_task(self.registry.run(
-                self.pools.session, self.config.health_check_interval))
+                self.pools.session, self.pools.keys, self.config.health_check_interval))
             self._registry_task.add_done_callback(_report_failure)
         self._kv_poll = asyncio.create_task(self.decider.poll(self.pools.session, self.pools))
         self._kv_poll.add_done_callback(_report_failure)
@@ -207,7 +213,7 @@ async def run_orchestrator(config: ClusterConfig, should_stop=None, banner: str 
                            companion=None, **options) -> None:
     """Serve until Ctrl-C / SIGTERM (or should_stop() turns true). companion: a coroutine
     function of the Orchestrator run alongside it (`splitserve up` watches its workers),
-    cancelled first on the way out. options: Orchestrator's (control_url)."""
+    cancelled first on the way out. options: Orchestrator's (control_url, instance)."""
     orch = Orchestrator(config, **options)
     await orch.start()
     task = None

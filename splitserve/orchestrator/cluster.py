@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import yaml
 
@@ -61,9 +62,9 @@ class ClusterConfig:
     # bytes only, chat prompts not at all.
     model: str | None = None
     # Clients send `Authorization: Bearer <key>` with one of these keys when any is set (in
-    # the YAML: one key or a list). Every request to a worker carries internal_secret
-    # (splitserve/trust.py); the orchestrator does not start without it. Neither is ever
-    # logged.
+    # the YAML: one key or a list). Workers prove their identity with internal_secret, and
+    # every request to one carries a token derived from it (splitserve/trust.py); the
+    # orchestrator does not start without it. Neither is ever logged or sent.
     api_key: tuple[str, ...] = field(default=(), repr=False)
     internal_secret: str | None = field(default=None, repr=False)
     # none | api_key: a client shares prefix-cache blocks only with clients of its own key
@@ -122,6 +123,14 @@ def _pool(raw) -> PoolConfig:
     return PoolConfig(tuple(raw.get("urls", ())), raw.get("router", "round_robin"))
 
 
+class Credentials(NamedTuple):
+    """What a server's last identity check proved (trust.py): the instance id it proved,
+    the token requests to it carry, and the proof its answers must carry."""
+    instance: str
+    token: str
+    proof: str
+
+
 @dataclass(eq=False)     # compared by identity: a request's failed tries name these objects
 class Server:
     """One worker as this orchestrator sees it. `load` is what routers weigh: the worker's
@@ -133,9 +142,13 @@ class Server:
     The report is max(running + waiting, in_flight): running and waiting are the engine's,
     so they count every front-end process of the worker and every orchestrator's requests;
     in_flight (the answering front-end's open generation requests) also counts those not
-    in the engine yet (tokenizing, queued on the ZeroMQ socket)."""
+    in the engine yet (tokenizing, queued on the ZeroMQ socket).
+
+    healthy: routed to. Only after a health check verified the worker's identity (creds)
+    and found it serving; cleared, with creds, when it fails or refuses a request."""
     url: str
-    healthy: bool = True
+    healthy: bool = False
+    creds: Credentials | None = None
     in_flight: int = 0            # this orchestrator's requests open on it
     static: bool = True           # from the YAML: never leaves the pool
     reported: int | None = None   # the last report's load, None before the first

@@ -124,8 +124,8 @@ class Decider:
             return
         while True:
             wanted = [p for p, on in ((pools.ctx, self.poll_ctx), (pools.gen, self.poll_gen)) if on]
-            gone = await self.index.poll(session, [s.url for p in wanted
-                                                   for s in p.servers if s.healthy])
+            gone = await self.index.poll(session, {s.url: s.creds for p in wanted
+                                                   for s in p.servers if s.healthy and s.creds})
             for url in gone:
                 self.index_blocks.labels(url).set(0)
             for url, held in self.index.held.items():

@@ -2,16 +2,19 @@
 `splitserve up --orchestrators N`, N orchestrator processes serving one port.
 
 The parent serves no client. It:
-1. holds the worker registry (registry.py) behind a control port on loopback, which only
-   the cluster's internal secret opens;
-2. starts N children (`splitserve orchestrator --fleet-child CONTROL_URL`). Each binds the
+1. makes the fleet's instance id (trust.py), which every child proves on /health: one
+   orchestrator to the workers that register with it, whichever child they reach;
+2. holds the worker registry (registry.py) behind a control port on loopback, which only
+   the token for the fleet's instance opens;
+3. starts N children (`splitserve orchestrator --fleet-child CONTROL_URL`). Each binds the
    port with SO_REUSEPORT, so the kernel spreads new connections across them. The cluster
-   config, secrets included, reaches a child as the first line on its stdin (never its
-   command line or environment), and the pipe stays open: each later newline means "the
-   members changed, read them again", and a child whose parent died reads EOF and stops;
-3. restarts a child that exits (supervisor.py: 1 s, doubling to 30 s for crash loops)
+   config, secrets included, and the instance id reach a child as the first line on its
+   stdin (never its command line or environment), and the pipe stays open: each later
+   newline means "the members changed, read them again", and a child whose parent died
+   reads EOF and stops;
+4. restarts a child that exits (supervisor.py: 1 s, doubling to 30 s for crash loops)
    while the others keep the port served;
-4. on Ctrl-C / SIGTERM stops the children (SIGTERM, SIGKILL after 30 s) and waits for them.
+5. on Ctrl-C / SIGTERM stops the children (SIGTERM, SIGKILL after 30 s) and waits for them.
 
 Each child routes on its own, with the workers' reported load (cluster.Server.load), so its
 least-loaded choice counts the other children's requests as of the last load poll. A
@@ -40,7 +43,7 @@ from splitserve.orchestrator.registry import NOT_INTERNAL, Registry
 from splitserve.orchestrator.supervisor import Supervisor, WorkerChild, stop_processes
 from splitserve.protocol.openai import error_body, status_error_body
 from splitserve.signals import wait_for_stop_signal
-from splitserve.trust import INTERNAL_HEADER, Gate
+from splitserve.trust import Gate, Keys, new_instance_id
 
 logger = logging.getLogger(__name__)
 
@@ -51,13 +54,13 @@ CONTROL_MAX_BODY = 64 << 10
 class Control:
     """The parent's loopback HTTP server: the registration API for the children."""
 
-    def __init__(self, registry: Registry, secret: str):
-        self.registry, self.gate = registry, Gate(None, secret)
+    def __init__(self, registry: Registry, secret: str, instance: str):
+        self.registry, self.gate = registry, Gate(None, secret, instance)
         self.http = HTTPServer(self.dispatch, CONTROL_MAX_BODY, "orch-control",
                                error_body=status_error_body, check_head=self.check_head)
 
     def check_head(self, request: Request) -> Admission | Response:
-        """Only the fleet's children, which carry the internal secret (before any body)."""
+        """Only the fleet's children, which carry the fleet's token (before any body)."""
         if not self.gate.internal(request.header):
             return Response(error_body(NOT_INTERNAL, "invalid_request_error"), 403)
         return Admission(Standing.INTERNAL, CONTROL_MAX_BODY)
@@ -76,10 +79,11 @@ def child_command(log_level: str, control_url: str) -> list[str]:
             "--fleet-child", control_url]
 
 
-def child_payload(config: ClusterConfig) -> bytes:
-    """The config a child serves with, one JSON line (ClusterConfig.from_dict reads it)."""
+def child_payload(config: ClusterConfig, instance: str) -> bytes:
+    """The config a child serves with (ClusterConfig.from_dict reads it) and the fleet's
+    instance id, one JSON line."""
     raw = dataclasses.asdict(dataclasses.replace(config, processes=1))
-    return orjson.dumps(raw) + b"\n"
+    return orjson.dumps({"config": raw, "instance": instance}) + b"\n"
 
 
 async def _announce(config: ClusterConfig, banner: str) -> None:
@@ -101,19 +105,21 @@ async def run_fleet(config: ClusterConfig, log_level: str, banner: str = "",
                     companion=None) -> None:
     """Serve with config.processes children until Ctrl-C / SIGTERM. companion: a coroutine
     function of the registry run alongside (`splitserve up` watches its workers)."""
-    registry = Registry(config.remove_unhealthy_after)
-    control = Control(registry, config.internal_secret)
+    registry, instance = Registry(config.remove_unhealthy_after), new_instance_id()
+    control = Control(registry, config.internal_secret, instance)
     control_url = await control.start()
     front = f"http://{config.host}:{config.port}"
+    payload = child_payload(config, instance)
     children = [WorkerChild(f"orch{i}", front, child_command(log_level, control_url),
-                            dict(os.environ), stdin=child_payload(config), what="process")
+                            dict(os.environ), stdin=payload, what="process")
                 for i in range(config.processes)]
     supervisor = Supervisor(children, "orch")
     registry.listeners.append(lambda: [c.notify() for c in children])
-    session = aiohttp.ClientSession(headers={INTERNAL_HEADER: config.internal_secret})
+    session = aiohttp.ClientSession()
     tasks = [asyncio.create_task(c) for c in (
         supervisor.watch(lambda url: None),
-        registry.run(session, config.health_check_interval), _announce(config, banner),
+        registry.run(session, Keys(config.internal_secret), config.health_check_interval),
+        _announce(config, banner),
         *([companion(registry)] if companion is not None else []))]
     try:
         await wait_for_stop_signal()
@@ -139,7 +145,8 @@ async def _child(control_url: str) -> int:
     line = await parent.readline()
     if not line:
         return 2
-    config = ClusterConfig.from_dict(orjson.loads(line), where="the fleet's config")
+    payload = orjson.loads(line)
+    config = ClusterConfig.from_dict(payload["config"], where="the fleet's config")
     orphaned = asyncio.Event()
 
     async def follow(orch) -> None:
@@ -149,5 +156,5 @@ async def _child(control_url: str) -> int:
         logger.warning("orch: the fleet's parent is gone; stopping")
         orphaned.set()
     await run_orchestrator(config, should_stop=orphaned.is_set, companion=follow,
-                           control_url=control_url)
+                           control_url=control_url, instance=payload["instance"])
     return 0

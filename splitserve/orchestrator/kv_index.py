@@ -15,7 +15,10 @@ from dataclasses import dataclass
 import aiohttp
 import orjson
 
+from splitserve.orchestrator.cluster import Credentials
+from splitserve.orchestrator.upstream import is_proven
 from splitserve.server.kv_blocks import PATH
+from splitserve.trust import INTERNAL_HEADER
 
 HASH_BYTES = 16
 # A worker reports at most 16,384 hashes (engine/kv_report.py): ~350 KB of JSON. More is
@@ -51,21 +54,26 @@ class KVIndex:
             n += 1
         return n * held.block_size
 
-    async def poll(self, session: aiohttp.ClientSession, urls: list[str]) -> set[str]:
-        """Read every url's report (concurrently); forget urls no longer listed (returned)."""
-        gone = set(self.held) - set(urls)
+    async def poll(self, session: aiohttp.ClientSession,
+                   servers: dict[str, Credentials]) -> set[str]:
+        """Read the report of every server (url: its credentials), concurrently, with its
+        token and only if proven; forget urls no longer listed (returned)."""
+        gone = set(self.held) - set(servers)
         for url in gone:
             del self.held[url]
-        await asyncio.gather(*(self._read(session, url) for url in urls))
+        await asyncio.gather(*(self._read(session, url, c) for url, c in servers.items()))
         return gone
 
-    async def _read(self, session: aiohttp.ClientSession, url: str) -> None:
+    async def _read(self, session: aiohttp.ClientSession, url: str, creds: Credentials) -> None:
         known = self.held.get(url)
         params = {"since": known.version} if known else None
         try:
-            async with session.get(url + PATH, params=params, timeout=_TIMEOUT) as r:
+            async with session.get(url + PATH, params=params, timeout=_TIMEOUT,
+                                   headers={INTERNAL_HEADER: creds.token},
+                                   allow_redirects=False) as r:
                 # (the worker always sends a Content-Length)
-                if r.status != 200 or not 0 < (r.content_length or 0) <= MAX_BODY_BYTES:
+                if r.status != 200 or not is_proven(r, creds) \
+                        or not 0 < (r.content_length or 0) <= MAX_BODY_BYTES:
                     return
                 body = orjson.loads(await r.read())
         except (aiohttp.ClientError, asyncio.TimeoutError, orjson.JSONDecodeError):

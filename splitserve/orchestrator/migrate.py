@@ -159,7 +159,8 @@ async def carry_on(pools, path: str, resp, tap: StreamTap, body: dict, info,
         data = orjson.dumps(resume_body(body, tap.token_ids))
         server.in_flight += 1
         try:
-            held = await upstream.open_generation(pools.session, server.url + path, data,
+            held = await upstream.open_generation(pools.session, server.url + path,
+                                                  upstream.creds_of(server), data,
                                                   config.first_byte_timeout)
         except (upstream.Retry, upstream.TimedOut) as exc:
             logger.warning("orch: %s could not continue the stream: %s", server.url, exc)

@@ -1,7 +1,8 @@
 """The cluster's workers as the orchestrator sees them: a pool per role (its servers, their
 health, a router), one request's tries on the pools, and the one retry loop that serves a
 request: CTX prefill (unless aggregated), then GEN, each tried again elsewhere on a failure
-that reached nothing of the client. Every request to a worker goes through here."""
+that reached nothing of the client. Every request to a worker goes through here, with that
+worker's own token (trust.py; cluster.Credentials), never a session-wide header."""
 
 from __future__ import annotations
 
@@ -13,12 +14,12 @@ import aiohttp
 import orjson
 
 from splitserve.orchestrator import migrate, relay, stream, upstream
-from splitserve.orchestrator.cluster import ClusterConfig, Server
+from splitserve.orchestrator.cluster import ClusterConfig, Credentials, Server
 from splitserve.orchestrator.probes import PROBE, PROBE_MAX_BYTES, Probes
 from splitserve.orchestrator.relay import UpstreamError
 from splitserve.orchestrator.routers import RequestInfo, make_router, route
 from splitserve.orchestrator.upstream import Retry
-from splitserve.trust import INTERNAL_HEADER
+from splitserve.trust import INTERNAL_HEADER, Keys
 
 logger = logging.getLogger(__name__)
 
@@ -27,16 +28,17 @@ ROLE = {"ctx": "context", "gen": "generation"}
 
 class Pool:
     """A role's servers: the YAML's (static, permanent) and the registered ones
-    (orchestrator/registry.py), which come and go with sync()."""
+    (orchestrator/registry.py), which come and go with sync(). on_down(pool, server): a
+    server was marked down (Probes.recheck checks it at once)."""
 
-    def __init__(self, name: str, urls, router: str):
-        self.name = name
+    def __init__(self, name: str, urls, router: str, on_down=lambda pool, server: None):
+        self.name, self.on_down = name, on_down
         self.servers = [Server(u.rstrip("/")) for u in urls]
         self.router = make_router(router)
 
-    def sync(self, urls) -> None:
-        """The registered members are `urls` now: new ones join at once (healthy: a worker
-        registers once it serves), the others leave. A request in flight on a server that
+    def sync(self, urls) -> list[Server]:
+        """The registered members are `urls` now: new ones join (returned: routed to once a
+        health check verifies them), the others leave. A request in flight on a server that
         left finishes there: it holds the Server, the pool no longer offers it."""
         urls = {u.rstrip("/") for u in urls}
         kept = [s for s in self.servers if s.static or s.url in urls]
@@ -46,8 +48,10 @@ class Pool:
         added = sorted(urls - {s.url for s in kept})
         for url in added:
             logger.info("orch: %s server %s joined the pool", self.name, url)
+        joined = [Server(u, static=False) for u in added]
         if added or len(kept) != len(self.servers):
-            self.servers = kept + [Server(u, static=False) for u in added]
+            self.servers = kept + joined
+        return joined
 
     def pick(self, info: RequestInfo, avoid=()) -> Server | None:
         """A healthy server, one not in `avoid` if there is one."""
@@ -57,22 +61,28 @@ class Pool:
         return route(self.router, candidates, info) if candidates else None
 
     def mark_down(self, url: str) -> None:
+        """Not routed to, its credentials forgotten, until a health check verifies it again
+        (on_down: at once; the check logs the verdict)."""
         for s in self.servers:
             if s.url == url and s.healthy:
-                logger.info("orch: %s server %s is down", self.name, url)
-                s.healthy = False
+                s.healthy, s.creds = False, None
+                self.on_down(self, s)
 
 
 class Tries:
     """One request's tries: per pool, the servers that failed it (tried again only when no
     other is healthy) and how many more failures it survives."""
 
-    def __init__(self, max_retries: int, retries_metric):
-        self.max_retries, self.metric = max_retries, retries_metric
+    def __init__(self, max_retries: int, retries_metric, probes: Probes):
+        self.max_retries, self.metric, self.probes = max_retries, retries_metric, probes
         self.failed: dict[str, list[Server]] = {"ctx": [], "gen": []}
 
-    def pick(self, pool: Pool, info: RequestInfo) -> Server:
+    async def pick(self, pool: Pool, info: RequestInfo) -> Server:
+        """A server to try; with none healthy, after the rechecks under way (a worker that
+        just restarted, or just joined, is verified in milliseconds)."""
         server = pool.pick(info, self.failed[pool.name])
+        if server is None and await self.probes.settle(pool):
+            server = pool.pick(info, self.failed[pool.name])
         if server is None:
             raise UpstreamError(f"no {ROLE[pool.name]} worker is available; retry later")
         return server
@@ -116,10 +126,13 @@ class Pools:
 
     def __init__(self, config: ClusterConfig, metrics):
         self.config, self.metrics = config, metrics
-        self.ctx = Pool("ctx", config.context_servers.urls, config.context_servers.router)
-        self.gen = Pool("gen", config.generation_servers.urls, config.generation_servers.router)
-        self.session: aiohttp.ClientSession | None = None
+        self.keys = Keys(config.internal_secret)
         self.probes = Probes(self)
+        self.ctx = Pool("ctx", config.context_servers.urls, config.context_servers.router,
+                        self.probes.recheck)
+        self.gen = Pool("gen", config.generation_servers.urls,
+                        config.generation_servers.router, self.probes.recheck)
+        self.session: aiohttp.ClientSession | None = None
 
     # -- one request ----------------------------------------------------------------------
     async def serve(self, request, body: dict, aggregated: bool, t0: float, info: RequestInfo):
@@ -134,11 +147,11 @@ class Pools:
             mode = relay.relay_mode(body, self.config.token_relay)
             ctx_data, gen_data = orjson.dumps(relay.context_body(body, mode)), None
             self.metrics.preprocessing.observe(time.time() - t0)
-        tries = Tries(self.config.max_retries, self.metrics.retries)
+        tries = Tries(self.config.max_retries, self.metrics.retries, self.probes)
         migratable = not aggregated and body.get("stream") is True and self.config.migrate_streams
         while True:
             pool = self.gen if gen_data is not None else self.ctx
-            server = tries.pick(pool, info)
+            server = await tries.pick(pool, info)
             try:
                 if gen_data is not None:
                     tap, carry_on = (self._migration(request.path, body, info,
@@ -174,7 +187,8 @@ class Pools:
         server.in_flight += 1
         t = time.time()
         try:
-            return await upstream.post_json(self.session, server.url + path, data,
+            return await upstream.post_json(self.session, server.url + path,
+                                            upstream.creds_of(server), data,
                                             self.config.first_byte_timeout)
         finally:
             server.in_flight -= 1
@@ -185,7 +199,8 @@ class Pools:
         server.in_flight += 1
         try:
             t = time.time()
-            held = await upstream.open_generation(self.session, server.url + request.path, data,
+            held = await upstream.open_generation(self.session, server.url + request.path,
+                                                  upstream.creds_of(server), data,
                                                   self.config.first_byte_timeout)
             self.metrics.gen_first_byte.observe(time.time() - t)
             try:
@@ -205,9 +220,15 @@ class Pools:
             pool.mark_down(url)
 
     def sync(self, members: list[dict]) -> None:
-        """The registry's members (orchestrator/registry.py) join or leave the pools."""
+        """The registry's members (orchestrator/registry.py) join or leave the pools; those
+        that join are checked at once."""
         for pool in (self.ctx, self.gen):
-            pool.sync(m["url"] for m in members if m["role"] == ROLE[pool.name])
+            for server in pool.sync(m["url"] for m in members if m["role"] == ROLE[pool.name]):
+                self.probes.recheck(pool, server)
+
+    def credentials(self, instance: str) -> Credentials:
+        """What requests to (and answers from) a server proven to be `instance` carry."""
+        return Credentials(instance, self.keys.token(instance), self.keys.proof(instance))
 
     def health(self) -> tuple[dict, int]:
         """200 while every pool has a healthy server (status "degraded" if some are down)."""
@@ -220,10 +241,14 @@ class Pools:
     async def models(self) -> bytes | None:
         """The first healthy generation worker's /v1/models body; None: none answered."""
         for server in self.gen.servers:
-            if server.healthy:
+            creds = server.creds
+            if server.healthy and creds is not None:
                 try:
-                    async with self.session.get(server.url + "/v1/models", timeout=PROBE) as r:
-                        if r.status != 200:   # (a worker's refusal is not the client's answer)
+                    async with self.session.get(server.url + "/v1/models", timeout=PROBE,
+                                                headers={INTERNAL_HEADER: creds.token},
+                                                allow_redirects=False) as r:
+                        # (a worker's refusal is not the client's answer, nor an unproven one)
+                        if r.status != 200 or not upstream.is_proven(r, creds):
                             continue
                         body = await upstream.read_at_most(r, PROBE_MAX_BYTES)
                         if body is not None:
@@ -238,9 +263,7 @@ class Pools:
         # stream.py the gaps in a stream, however long the stream runs.
         self.session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout),
-            connector=aiohttp.TCPConnector(limit=0),
-            # Every request to a worker: CTX, GEN, migrations, health checks, /v1/models.
-            headers={INTERNAL_HEADER: self.config.internal_secret})
+            connector=aiohttp.TCPConnector(limit=0))
         self.probes.start(membership)
 
     async def stop(self) -> None:

@@ -1,5 +1,5 @@
 """Workers that come and go: the registry of workers that joined at run time, and its
-HTTP API (internal: only requests carrying the cluster's internal secret).
+HTTP API (internal: only requests carrying this orchestrator's internal token, trust.py).
 
     POST /internal/workers          {"role": "context"|"generation", "url": ..., "ttl": s}
                                     join, or renew the lease (a heartbeat)
@@ -10,7 +10,9 @@ Every answer is the member list, {"object": "list", "data": [{"role", "url", "tt
 "expires_in"}, ...]}; a bad body is a 400 with an OpenAI error body naming the field.
 
 A member leaves when its lease lapses (no heartbeat for `ttl` seconds) or after failing its
-health checks for `remove_unhealthy_after` seconds; the registry runs those checks itself.
+health checks for `remove_unhealthy_after` seconds; the registry runs those checks itself
+(probes.challenge: a member passes only if it proves its identity, so a process that took a
+dead member's port does not keep it registered).
 The YAML's urls are not members: they stay in the pools whatever happens.
 
 Where the registry lives: in a single orchestrator process, in that process
@@ -34,7 +36,9 @@ import msgspec
 import orjson
 
 from splitserve.errors import InvalidRequestError
+from splitserve.orchestrator.probes import challenge
 from splitserve.protocol.openai import error_body
+from splitserve.trust import INTERNAL_HEADER, Keys
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +48,7 @@ TTL_RANGE = (1.0, 3600.0)       # seconds a lease may be given
 MAX_MEMBERS = 256
 PATHS = ("/internal/workers", "/internal/workers/remove")
 NOT_INTERNAL = ("the /internal/ endpoints take only the cluster's internal requests; this "
-                "request does not carry the cluster's internal secret")
+                "request does not carry the cluster's internal token for this server")
 
 
 class Registration(msgspec.Struct, forbid_unknown_fields=True):
@@ -138,7 +142,7 @@ class Registry:
                 for m in self.members.values()]
 
     def handle(self, method: str, path: str, body: bytes) -> tuple[int, bytes]:
-        """The HTTP API (the caller checked the internal secret): (status, JSON body)."""
+        """The HTTP API (the caller checked the internal token): (status, JSON body)."""
         try:
             if (method, path) == ("POST", PATHS[0]):
                 self.register(body)
@@ -166,11 +170,11 @@ class Registry:
         if len(self.members) != before:
             self._changed()
 
-    async def run(self, session: aiohttp.ClientSession, interval: float) -> None:
-        """Check the members' health and expire them, every `interval` seconds."""
+    async def run(self, session: aiohttp.ClientSession, keys: Keys, interval: float) -> None:
+        """Check the members' health and identity and expire them, every `interval` seconds."""
         while True:
             members = list(self.members.values())
-            verdicts = await asyncio.gather(*(_answers(session, m.url) for m in members))
+            verdicts = await asyncio.gather(*(_answers(session, keys, m.url) for m in members))
             now = time.monotonic()
             for m, ok in zip(members, verdicts):
                 m.unhealthy_since = None if ok else (m.unhealthy_since or now)
@@ -178,12 +182,9 @@ class Registry:
             await asyncio.sleep(interval)
 
 
-async def _answers(session: aiohttp.ClientSession, url: str) -> bool:
-    try:
-        async with session.get(url + "/health", timeout=aiohttp.ClientTimeout(total=2.0)) as r:
-            return r.status == 200
-    except (aiohttp.ClientError, asyncio.TimeoutError):
-        return False
+async def _answers(session: aiohttp.ClientSession, keys: Keys, url: str) -> bool:
+    """It serves (200) and proves its identity."""
+    return (await challenge(session, keys, url))[2] is not None
 
 
 class LocalMembership:
@@ -201,16 +202,18 @@ class LocalMembership:
 
 class RemoteMembership:
     """A fleet child's view: the parent's registry behind its loopback control port,
-    called with the session of the pools (which carries the internal secret)."""
+    called with the session of the pools and `token`: the fleet's instance id is the
+    parent's, which gave it to the child (fleet.py), so no challenge is needed."""
 
-    def __init__(self, control_url: str, pools):
+    def __init__(self, control_url: str, pools, token: str):
         self.control_url, self.pools = control_url.rstrip("/"), pools
+        self.headers = {INTERNAL_HEADER: token}
 
     async def call(self, method: str, path: str, body: bytes) -> tuple[int, bytes]:
         try:
             async with self.pools.session.request(
-                    method, self.control_url + path, data=body,
-                    timeout=aiohttp.ClientTimeout(total=5.0)) as r:
+                    method, self.control_url + path, data=body, headers=self.headers,
+                    timeout=aiohttp.ClientTimeout(total=5.0), allow_redirects=False) as r:
                 return r.status, await r.read()
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             logger.error("orch: the fleet's registry did not answer: %s", exc)

@@ -15,7 +15,7 @@ import orjson
 
 from splitserve.httpd import ChunkedStream, Request, Response
 from splitserve.orchestrator.relay import SSE, as_stream
-from splitserve.orchestrator.upstream import Held
+from splitserve.orchestrator.upstream import Held, describe
 from splitserve.protocol.openai import DONE, sse_error
 
 logger = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ class _IdleWatch:
         try:
             return await content.readany()
         except (aiohttp.ClientError, ConnectionError) as exc:
-            raise _Broken(repr(exc)) from None
+            raise _Broken(describe(exc)) from None
         finally:
             self.waiting_since = None
 
@@ -117,7 +117,7 @@ async def relay(held: Held, resp: ChunkedStream, idle: float, feed=None) -> str 
         logger.warning("orch: generation stream broke: %s", exc)
         return BROKE
     except _Malformed as exc:
-        logger.warning("orch: generation stream is malformed: %r", exc.__cause__)
+        logger.warning("orch: generation stream is malformed: %s", describe(exc.__cause__))
         return MALFORMED
     if not last.endswith(DONE):
         logger.warning("orch: generation stream ended without [DONE]")

@@ -4,6 +4,12 @@ A CTX answer is whole; a GEN answer is held until its first SSE event (or its wh
 has arrived, so a try that fails before then is safe to run again elsewhere. What failed
 is said with `Retry` (another server may serve it) or `TimedOut` (not retried: the worker
 may still be working on it, and a second try would double its load).
+
+Each try carries the worker's token (trust.py) and accepts only an answer carrying the
+proof of the instance the token was made for: a process that took a dead worker's port
+gets a token good for nothing else, and its answer never reaches the client. No redirect
+is followed. An error is logged as its type and `str`: an aiohttp error's repr holds the
+request's headers, the token among them.
 """
 
 from __future__ import annotations
@@ -16,7 +22,9 @@ from dataclasses import dataclass
 import aiohttp
 import orjson
 
+from splitserve.orchestrator.cluster import Credentials
 from splitserve.orchestrator.relay import SSE
+from splitserve.trust import INTERNAL_HEADER, PROOF_HEADER, proven
 
 _EVENT_END = b"\n\n"
 # A worker's whole answer, or one SSE event of its stream, held in memory: past this the
@@ -27,8 +35,9 @@ MAX_ANSWER_BYTES = 256 << 20
 
 class Retry(Exception):
     """This try failed before anything reached the client. reason: a metric label;
-    down: the server is not there at all (refused or never connected): stop routing to it
-    until its health check passes again."""
+    down: the server may not be the one verified (never connected, dropped the connection,
+    refused the token, answered without the proof): stop routing to it until a health
+    check verifies it again."""
 
     def __init__(self, reason: str, detail: str, down: bool = False):
         super().__init__(detail)
@@ -61,22 +70,44 @@ def _failures():
     except TimeoutError:   # asyncio.timeout's: the first byte took too long
         raise TimedOut() from None
     except (aiohttp.ClientError, ConnectionError) as exc:
-        raise Retry("disconnected", f"connection lost before the answer: {exc!r}") from None
+        raise Retry("disconnected", f"connection lost before the answer: "
+                                    f"{describe(exc)}", down=True) from None
 
 
-def _headers() -> dict:
+def describe(exc: BaseException) -> str:
+    """An error for a log line: its type and str, never its repr (see the module's doc)."""
+    return f"{type(exc).__name__}: {exc}"
+
+
+def creds_of(server) -> Credentials:
+    """A cluster.Server's credentials; Retry if it was marked down since it was picked."""
+    creds = server.creds
+    if creds is None:
+        raise Retry("unverified", "is not verified (its identity is being checked)", down=True)
+    return creds
+
+
+def _headers(creds: Credentials) -> dict:
     # The receiver measures its preprocessing from the moment we wrote the request.
-    return {"Content-Type": "application/json", "X-Sent-At": repr(time.time())}
+    return {"Content-Type": "application/json", "X-Sent-At": repr(time.time()),
+            INTERNAL_HEADER: creds.token}
 
 
-async def post_json(session: aiohttp.ClientSession, url: str, data: bytes,
+def is_proven(r: aiohttp.ClientResponse, creds: Credentials) -> bool:
+    """The answer carries the proof of the instance creds were made for."""
+    return proven(r.headers.get(PROOF_HEADER), creds.proof)
+
+
+async def post_json(session: aiohttp.ClientSession, url: str, creds: Credentials, data: bytes,
                     first_byte_timeout: float) -> tuple[int, dict]:
     """A whole JSON answer (CTX): (status, body). 5xx and unreadable answers are Retry."""
     with _failures():
         async with asyncio.timeout(first_byte_timeout):
-            async with session.post(url, data=data, headers=_headers()) as r:
-                status, raw = r.status, await _whole(r)
-    _check_status(status, raw)
+            async with session.post(url, data=data, headers=_headers(creds),
+                                    allow_redirects=False) as r:
+                status, ok = r.status, is_proven(r, creds)
+                raw = await _whole(r) if ok else b""    # an unproven body is not read
+    _check_status(status, raw, ok)
     try:
         answer = orjson.loads(raw)
     except orjson.JSONDecodeError:
@@ -86,15 +117,18 @@ async def post_json(session: aiohttp.ClientSession, url: str, data: bytes,
     return status, answer
 
 
-async def open_generation(session: aiohttp.ClientSession, url: str, data: bytes,
-                          first_byte_timeout: float) -> Held:
+async def open_generation(session: aiohttp.ClientSession, url: str, creds: Credentials,
+                          data: bytes, first_byte_timeout: float) -> Held:
     """Send to a GEN and hold its answer until the first event. 5xx, a stream whose first
     event is a server error, and a stream that ends before its first event are Retry."""
     r = None
     try:
         with _failures():
             async with asyncio.timeout(first_byte_timeout):
-                r = await session.post(url, data=data, headers=_headers())
+                r = await session.post(url, data=data, headers=_headers(creds),
+                                       allow_redirects=False)
+                if not is_proven(r, creds):   # nothing of it is read
+                    _check_status(r.status, b"", False)
                 held = Held(r, b"")
                 held.head = await (_first_event(r) if held.streaming else _whole(r))
         _check(held)
@@ -143,18 +177,22 @@ async def _first_event(r: aiohttp.ClientResponse) -> bytes:
             raise Retry("malformed", f"sent {MAX_ANSWER_BYTES} bytes without a whole first event")
 
 
-def _check_status(status: int, raw: bytes) -> None:
+def _check_status(status: int, raw: bytes, is_proven: bool) -> None:
+    # The worker refused the orchestrator itself (it restarted: the token is its previous
+    # instance's; or its internal secret is not this one's): the client did nothing wrong,
+    # and the worker's words are about the cluster's insides.
+    if status in (401, 403):
+        raise Retry("refused", f"refused the orchestrator's internal token ({status}); it "
+                               f"is checked again", down=True)
+    if not is_proven:
+        raise Retry("unproven", f"answered {status} without the proof of the instance it "
+                                f"was verified as (another process on its port?)", down=True)
     if status >= 500:
         raise Retry("server_error", f"answered {status}: {raw[:200]!r}")
-    # The worker refused the orchestrator itself (its internal secret is not this one's):
-    # the client did nothing wrong, and the worker's words are about the cluster's insides.
-    if status in (401, 403):
-        raise Retry("refused", f"refused the orchestrator's internal secret ({status}); "
-                               f"is SPLITSERVE_INTERNAL_SECRET the same everywhere?")
 
 
 def _check(held: Held) -> None:
-    _check_status(held.response.status, held.head)
+    _check_status(held.response.status, held.head, True)
     first = held.head[held.head.find(b"data:"):] if held.streaming else b""
     if first.startswith(b'data: {"error"'):
         try:

@@ -75,7 +75,7 @@ class WorkerServer:
         self.token_text = functools.lru_cache(maxsize=65536)(
             lambda i: self.tokenizer.decode([i], skip_special_tokens=False))
         self.created = int(time.time())
-        self.gate = Gate(config.api_key, config.internal_secret)
+        self.gate = Gate(config.api_key, config.internal_secret, config.instance_id)
         self.isolation = CacheIsolation(config.cache_isolation,
                                         derivation_key(config.internal_secret))
         self.handlers = gen = GenerateHandlers(self)
@@ -119,7 +119,7 @@ class WorkerServer:
 
     def check_head(self, request: Request) -> Admission | Response:
         """A request whose head is in, before any of its body is read: 401 on a public route
-        without the API key (or the internal secret), then its route (404, 405, 413)."""
+        without the API key (or this worker's internal token), then its route (404, 405, 413)."""
         refusal = self.gate.key_refusal(request.path, request.header, accept_internal=True)
         route = self.router.find(request)
         answer = _refused(refusal) if refusal is not None else route
@@ -131,7 +131,15 @@ class WorkerServer:
 
     async def dispatch(self, request: Request) -> Response | ChunkedStream:
         """Serve a request whose head passed check_head; every failure becomes an
-        OpenAI-style error body, nothing escapes as a traceback."""
+        OpenAI-style error body, nothing escapes as a traceback. An answer to a request whose
+        internal token checked out carries the response proof (a stream's head carries it:
+        generate.py)."""
+        response = await self._answer(request)
+        if type(response) is Response and self.gate.token is not None:
+            response.headers = self.gate.proven(request.header, response.headers)
+        return response
+
+    async def _answer(self, request: Request) -> Response | ChunkedStream:
         status = 500
         try:
             refusal = self.gate.body_refusal(request.header, request.body)
@@ -141,7 +149,7 @@ class WorkerServer:
             return response
         except NotInternal:
             status = 403
-            return _refused(forbidden(self.gate.secret is not None))
+            return _refused(forbidden(self.gate.token is not None))
         except ModelNotFound as exc:
             status = 404
             return _error(404, exc.message, "NotFoundError", exc.param, "model_not_found")
@@ -168,13 +176,17 @@ class WorkerServer:
             "owned_by": "splitserve", "max_model_len": ready.max_model_len if ready else None}]})
 
     async def health(self, request: Request) -> Response:
+        """Up or not, and the answer to a challenge (trust.py) whichever it is."""
         problem = self.engine.health()
         if problem is None:
             # `bench frontend --url` refuses a worker whose KV backend is not `none`
-            return json_response({"status": "ok", "role": self.config.role,
-                                  "kv_backend": self.config.engine.kv.backend,
-                                  "load": self.load()})
-        return _error(503, problem, "server_error")
+            response = json_response({"status": "ok", "role": self.config.role,
+                                      "kv_backend": self.config.engine.kv.backend,
+                                      "load": self.load()})
+        else:
+            response = _error(503, problem, "server_error")
+        response.headers = self.gate.identity(request.header)
+        return response
 
     def load(self) -> dict:
         """GET /health's "load": the engine's running and waiting requests and KV use

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from splitserve.config import EngineConfig
 from splitserve.httpd.limits import HTTPLimits
 from splitserve.protocol.cache_salt import check_isolation
+from splitserve.trust import new_instance_id
 
 ROLES = ("agg", "ctx", "gen")
 
@@ -27,8 +28,8 @@ class ServerConfig:
     engine_stall_seconds: float = 60.0     # no engine step this long, holding work: /health 503
     http: HTTPLimits = field(default_factory=HTTPLimits)   # timeouts, caps (httpd/limits.py)
     # Public endpoints need `Authorization: Bearer <key>` with one of these keys when any is
-    # set; internal requests (anything carrying disaggregated_params) need the internal
-    # secret. Never logged.
+    # set; internal requests (anything carrying disaggregated_params) need the token derived
+    # from the internal secret for instance_id (splitserve/trust.py). Never logged.
     api_key: tuple[str, ...] = field(default=(), repr=False)
     internal_secret: str | None = field(default=None, repr=False)
     # none | api_key: whose prefix-cache blocks a public client may share
@@ -38,6 +39,10 @@ class ServerConfig:
     # HTTP front-end processes sharing the port and one engine process (server/frontends.py)
     api_server_count: int = 1
     register: str | None = None    # an orchestrator's url to register with (registration.py)
+    # This worker's instance id (trust.py): made with the serve process's config, so its
+    # front-ends (--api-server-count), which get this config, share it; a restarted worker
+    # has a new one.
+    instance_id: str = field(default_factory=new_instance_id)
 
     def __post_init__(self):
         if self.role not in ROLES:

@@ -51,10 +51,11 @@ STABLE_SECONDS = 60.0     # a front-end that lived this long restarts after the 
 
 
 def _frontend_main(config: ServerConfig, peer: int, ipc_dir: str, conn, inherited) -> None:
-    from splitserve import envs
+    from splitserve import envs, redact
     from splitserve.server.app import WorkerServer, run_loop
     from splitserve.server.peer_client import PeerEngineClient
     logging.basicConfig(level=envs.log_level(), format="%(asctime)s %(levelname)s %(message)s")
+    redact.install(config.internal_secret)
     engine = PeerEngineClient(conn, ipc_dir, peer, f"{config.log_prefix}/{peer}",
                               config.engine_stall_seconds)
     server = WorkerServer(config, engine)

@@ -100,7 +100,7 @@ class GenerateHandlers:
 
     def _internal_only(self, request: Request, req) -> None:
         """The front door (WorkerServer.dispatch) refused a body carrying
-        disaggregated_params without the internal secret; this checks what was decoded."""
+        disaggregated_params without the internal token; this checks what was decoded."""
         if req.disaggregated_params is not None and not self.server.gate.internal(request.header):
             raise NotInternal()
 
@@ -165,7 +165,7 @@ class GenerateHandlers:
         the stream with an error event and [DONE], never a silent close."""
         enc = StreamEncoder(req, self.server.model_name, **kwargs)
         tag_ids = bool(req.disaggregated_params and req.disaggregated_params.stream_token_ids)
-        resp = request.stream(SSE_HEADERS)
+        resp = request.stream(self.server.gate.proven(request.header, SSE_HEADERS))
         try:
             async with aclosing(deltas):
                 async for i, delta in deltas:

@@ -1,7 +1,7 @@
 """GET /internal/kv_blocks: which prefix blocks this worker's engine holds, for the
 orchestrator's KV-aware router (orchestrator/kv_index.py). Internal: only a request that
-carries the cluster's internal secret gets an answer; which prompts a worker has seen is
-nobody else's business.
+carries this worker's internal token (trust.py) gets an answer; which prompts a worker has
+seen is nobody else's business.
 
 The body is JSON: {"version", "block_size", "total", "hashes"}; hashes is base64 of the
 16-byte chained block hashes back to back (engine/kv_report.py bounds how many: at most
@@ -24,7 +24,7 @@ async def kv_blocks_response(request: Request, gate: Gate, engine) -> Response:
     """engine: server.engine_link.EngineLink, whose kv_blocks is the last report."""
     if not gate.internal(request.header):
         return Response(error_body("this endpoint is internal: it needs the cluster's internal "
-                                   "secret", "invalid_request_error"), 403)
+                                   "token for this server", "invalid_request_error"), 403)
     report = engine.kv_blocks
     if report is None:   # no report yet (starting, or a new engine): nothing cached
         return json_response({"version": "", "block_size": 0, "total": 0, "hashes": ""})

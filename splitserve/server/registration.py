@@ -3,8 +3,9 @@ pools (orchestrator/registry.py's API) while it serves, and leaves when it stops
 
 It sends {"role", "url", "ttl"} every ttl/3 seconds (every second while the orchestrator
 does not answer, so a worker started before its orchestrator joins as soon as it is up),
-with the cluster's internal secret, and POST /internal/workers/remove on a clean stop,
-before it stops taking connections, so no orchestrator routes to it after it went. A
+with the orchestrator's internal token (internal_client.py: learnt through the challenge on
+its /health, learnt again when it restarted), and POST /internal/workers/remove on a clean
+stop, before it stops taking connections, so no orchestrator routes to it after it went. A
 worker killed outright is removed when its lease lapses (TTL seconds); meanwhile the
 orchestrators' health checks route around it. --role ctx registers as a context worker,
 gen and agg as generation workers (an agg worker serves whole requests too).
@@ -18,7 +19,7 @@ import logging
 import socket
 import urllib.request
 
-from splitserve.trust import INTERNAL_HEADER
+from splitserve.internal_client import InternalClient
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +39,9 @@ def own_url(host: str, port: int) -> str:
 class Registration:
     def __init__(self, orchestrator: str, role: str, url: str, secret: str | None,
                  log_prefix: str):
-        self.orchestrator, self.secret = orchestrator.rstrip("/"), secret
+        self.orchestrator = orchestrator.rstrip("/")
+        # Without a secret nothing proves the orchestrator: the heartbeats fail and say so.
+        self.client = InternalClient(secret or "")
         self.log_prefix = log_prefix
         self.entry = {"role": ROLE[role], "url": url, "ttl": TTL}
         self.task = asyncio.create_task(self._heartbeat())
@@ -58,10 +61,9 @@ class Registration:
             await registration.stop()
 
     def _post(self, path: str, body: dict) -> None:
-        req = urllib.request.Request(
-            self.orchestrator + path, json.dumps(body).encode(), method="POST",
-            headers={"Content-Type": "application/json", INTERNAL_HEADER: self.secret or ""})
-        with urllib.request.urlopen(req, timeout=5) as r:
+        req = urllib.request.Request(self.orchestrator + path, json.dumps(body).encode(),
+                                     method="POST", headers={"Content-Type": "application/json"})
+        with self.client.urlopen(req, timeout=5) as r:
             r.read()
 
     async def _heartbeat(self) -> None:

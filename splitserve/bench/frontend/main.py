@@ -60,8 +60,9 @@ def benchmark(cfg: FrontendBenchConfig) -> dict:
     # CPU/request up to 2x), which a deployment relaying in one mode never sees.
     modes = sorted(cfg.modes, key=MODES_LIGHT_FIRST.index)
     runs, workers, client = [], [], None
-    # generation_only requests need the internal secret: the worker started here and the
-    # client process inherit this one (a worker given with --url: set the variable to its)
+    # generation_only requests need a token derived from the internal secret: the worker
+    # started here and the client process inherit this one (a worker given with --url: set
+    # the variable to its)
     os.environ.setdefault("SPLITSERVE_INTERNAL_SECRET", secrets.token_urlsafe(32))
     try:
         client = ClientProcess()

@@ -10,7 +10,7 @@ import urllib.request
 from splitserve import envs
 from splitserve.bench.frontend.config import BenchError, FrontendBenchConfig
 from splitserve.bench.server_process import ServerProcess, free_port
-from splitserve.trust import INTERNAL_HEADER
+from splitserve.internal_client import OPENER, InternalClient
 
 
 def tiny_layout(block_size: int) -> tuple[str, int, int]:
@@ -74,10 +74,12 @@ def _cpu_seconds(pid: int) -> float:
 
 
 def get_json(url: str) -> dict:
-    secret = envs.internal_secret()   # in place of an API key the worker may require
-    request = urllib.request.Request(url, headers={INTERNAL_HEADER: secret} if secret else {})
+    secret = envs.internal_secret()   # its token in place of an API key the worker may require
+    request = urllib.request.Request(url)
     try:
-        with urllib.request.urlopen(request, timeout=10) as r:
+        opened = (InternalClient(secret).urlopen(request, timeout=10) if secret
+                  else OPENER.open(request, timeout=10))
+        with opened as r:
             return json.loads(r.read())
     except (OSError, ValueError) as exc:
         raise BenchError(f"GET {url} failed: {exc}") from None
