@@ -99,6 +99,7 @@ class Orchestrator:
         self.metrics.in_flight.inc()
         try:
             body = relay.parse_body(request.body)
+            relay.check_logprobs(request.body, body, request.path == "/v1/chat/completions")
             plan = await self.decider.plan(request, body, self.pools.gen.servers)
             if plan.local:
                 route = "aggregated"
