@@ -137,3 +137,16 @@ def test_a_large_body_is_built_in_the_pool_a_small_one_on_the_loop():
     assert _built_in_pool(generate.ON_LOOP_MAX_ENTRIES // per_token + 1)
     assert _built_in_pool(2000)
 
+
+def test_logprobs_held_by_a_front_end_cost_the_garbage_collector_nothing():
+    """A response's logprobs (up to 2^20 entries) live in the front-end while its sequences
+    generate: decoded, their alternatives are tuples of numbers, which a collection stops
+    tracking, the pairs at one pass and the tuple of them at the next (lists would be walked,
+    item by item, by every full pass on the event loop)."""
+    import gc
+    import msgspec
+    sent = Logprob(7, -0.5, 1, [(i, -1.0 - i) for i in range(20)])
+    got = msgspec.msgpack.decode(msgspec.msgpack.encode(sent), type=Logprob)
+    gc.collect()
+    gc.collect()
+    assert not gc.is_tracked(got.top) and not gc.is_tracked(got)
