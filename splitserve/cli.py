@@ -115,27 +115,54 @@ def add_api_key_arguments(p, help: str, isolation_default: str | None = "none") 
 
 def server_config(args, threads: int | None = None):
     """`serve`'s ServerConfig: the secrets from the command line or the environment, and
-    the engine's torch threads (placement.py's plan)."""
+    the engine's torch threads (placement.py's plan). Warns if it serves beyond loopback
+    with no API key."""
     from dataclasses import replace
     from splitserve import envs
     from splitserve.httpd.limits import HTTPLimits
+    from splitserve.listen import warn_if_open
     from splitserve.server.config import ServerConfig
     secret = args.internal_secret or envs.internal_secret()
     engine = _engine_config(args, threads)
     # The engine process keys the KV channel with it (its config crosses pickled, not argv).
     engine = replace(engine, kv=replace(engine.kv, secret=secret))
-    return ServerConfig(host=args.host, port=args.port, role=args.role,
-                        api_key=tuple(args.api_key or envs.api_keys()),
-                        internal_secret=secret, cache_isolation=args.cache_isolation,
-                        served_model_name=args.served_model_name,
-                        max_body_bytes=args.max_body_bytes,
-                        max_waiting_requests=args.max_waiting_requests,
-                        engine_stall_seconds=args.engine_stall_seconds,
-                        api_server_count=args.api_server_count, register=args.register,
-                        http=HTTPLimits(head_timeout=args.request_head_timeout,
-                                        body_timeout=args.request_body_timeout,
-                                        max_connections=args.max_connections),
-                        engine=engine)
+    config = ServerConfig(host=args.host, port=args.port, role=args.role,
+                          api_key=tuple(args.api_key or envs.api_keys()),
+                          internal_secret=secret, cache_isolation=args.cache_isolation,
+                          served_model_name=args.served_model_name,
+                          max_body_bytes=args.max_body_bytes,
+                          max_waiting_requests=args.max_waiting_requests,
+                          engine_stall_seconds=args.engine_stall_seconds,
+                          api_server_count=args.api_server_count, register=args.register,
+                          http=HTTPLimits(head_timeout=args.request_head_timeout,
+                                          body_timeout=args.request_body_timeout,
+                                          max_connections=args.max_connections),
+                          engine=engine)
+    warn_if_open(config.log_prefix, config.host, config.api_key)
+    return config
+
+
+def orchestrator_config(args):
+    """`orchestrator`'s ClusterConfig: the YAML, then the command line's overrides; the
+    secrets from the command line, the YAML or the environment. Warns if it serves beyond
+    loopback with no API key."""
+    from dataclasses import replace
+    from splitserve import envs
+    from splitserve.listen import warn_if_open
+    from splitserve.orchestrator.cluster import ClusterConfig
+    config = ClusterConfig.from_yaml(args.config)
+    overrides = {k: v for k, v in (("host", args.host), ("port", args.port),
+                                   ("max_in_flight", args.max_in_flight),
+                                   ("processes", args.processes)) if v is not None}
+    # The command line, then the YAML, then the environment.
+    overrides["api_key"] = tuple(args.api_key or config.api_key or envs.api_keys())
+    if args.cache_isolation is not None:
+        overrides["cache_isolation"] = args.cache_isolation
+    overrides["internal_secret"] = (args.internal_secret or config.internal_secret
+                                    or envs.internal_secret())
+    config = replace(config, **overrides)
+    warn_if_open("orch", config.host, config.api_key)
+    return config
 
 
 def _bad_config(command: str, exc: Exception) -> None:
@@ -203,33 +230,20 @@ def _serve(args) -> int:
 
 def _orchestrator(args) -> int:
     import asyncio
-    from dataclasses import replace
-    from splitserve import envs
     from splitserve.orchestrator import fleet
     from splitserve.orchestrator.app import NO_SECRET, run_orchestrator
-    from splitserve.orchestrator.cluster import ClusterConfig
     import yaml
     if args.fleet_child:
         return fleet.run_child(args.fleet_child)
     if not args.config:
         build_parser().error("orchestrator: -c/--config is required")
     try:
-        config = ClusterConfig.from_yaml(args.config)
-        overrides = {k: v for k, v in (("host", args.host), ("port", args.port),
-                                       ("max_in_flight", args.max_in_flight),
-                                       ("processes", args.processes)) if v is not None}
-        # The command line, then the YAML, then the environment.
-        overrides["api_key"] = tuple(args.api_key or config.api_key or envs.api_keys())
-        if args.cache_isolation is not None:
-            overrides["cache_isolation"] = args.cache_isolation
-        overrides["internal_secret"] = (args.internal_secret or config.internal_secret
-                                        or envs.internal_secret())
-        if not overrides["internal_secret"]:
-            logging.getLogger("splitserve.orchestrator").error("orch: %s", NO_SECRET)
-            return 2
-        config = replace(config, **overrides)
+        config = orchestrator_config(args)
     except (ValueError, OSError, yaml.YAMLError) as exc:
         _bad_config("orchestrator", exc)
+    if not config.internal_secret:
+        logging.getLogger("splitserve.orchestrator").error("orch: %s", NO_SECRET)
+        return 2
     if config.processes > 1:
         asyncio.run(fleet.run_fleet(config, args.log_level))
     else:

@@ -7,7 +7,7 @@ import base64
 import numpy as np
 import pytest
 
-from server_utils import (INTERNAL, TEST_SECRET, Orchestrator, Worker, call, metrics, post,
+from server_utils import (TEST_SECRET, Orchestrator, Worker, call, internal, metrics, post,
                           wait_for)
 from splitserve.engine.prompt_digest import chain_hashes, salted_root
 from splitserve.orchestrator import relay
@@ -89,7 +89,7 @@ def test_isolated_by_key_tenants_never_share(workers):
     assert cached(gen.url, completion(prompt, "s"), auth(K2)) == 0
     assert cached(gen.url, completion(prompt, "s"), auth(K1)) == 4 * BLOCK
     # nor the unsalted cache: an internal request (its salt taken as sent) finds nothing
-    assert cached(gen.url, completion(prompt), INTERNAL) == 0
+    assert cached(gen.url, completion(prompt), internal(gen.url)) == 0
     chat = {"model": "tiny-random", "max_tokens": 2, "temperature": 0,
             "messages": [{"role": "user", "content": "lighthouse " * 40}]}
     path = "/v1/chat/completions"
@@ -140,7 +140,7 @@ def ctx_requests(url: str) -> float:
 
 def holds(url: str, prompt: list[int], root: bytes) -> int | None:
     """How many hashes the worker reports, once they include every full block of prompt."""
-    body = call("GET", url + "/internal/kv_blocks", headers=INTERNAL)[1]
+    body = call("GET", url + "/internal/kv_blocks", headers=internal(url))[1]
     raw = base64.b64decode(body["hashes"])
     held = {raw[i:i + 16] for i in range(0, len(raw), 16)}
     whole = set(chain_hashes(root, np.array(prompt, dtype=np.int32), BLOCK)) <= held

@@ -269,10 +269,10 @@ def _all_deltas(engine):
 
 
 @pytest.mark.parametrize("params", [
-    SamplingParams(temperature=0, max_tokens=9, ignore_eos=True, logprobs=2),
+    SamplingParams(temperature=0, max_tokens=9, ignore_eos=True, prompt_logprobs=2),
     SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=7, ignore_eos=True),
     SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
-], ids=["logprobs", "n2", "one-token"])
+], ids=["prompt-logprobs", "n2", "one-token"])
 def test_a_response_sent_whole_gets_one_delta_per_sequence_equal_to_the_stream(make_engine, params):
     items = prompts([7, 13], seed=11)
     streamed, whole = make_engine(), make_engine()
@@ -290,11 +290,22 @@ def test_a_response_sent_whole_gets_one_delta_per_sequence_equal_to_the_stream(m
         assert d.text == "".join(x.text for x in mine)
         assert d.finish_reason == mine[-1].finish_reason
         assert d.num_prompt_tokens == mine[0].num_prompt_tokens > 0
-        if params.logprobs is not None:
-            assert [lp.token_id for lp in d.logprobs] == d.token_ids
-            assert d.logprobs == [lp for x in mine for lp in x.logprobs]
+        assert d.prompt_logprobs == mine[0].prompt_logprobs
         assert t0 - 60 < d.first_token_time <= t0 and d.admit_time <= d.first_token_time
         assert all(x.first_token_time == 0.0 for x in mine)   # streamed deltas carry none
+
+
+def test_a_response_sent_whole_with_logprobs_gets_its_deltas_per_step(make_engine):
+    """Held, a sequence's logprobs would leave as one message of the whole response's (the
+    front-end decodes it on its event loop): they leave as a stream's do."""
+    params = SamplingParams(n=2, temperature=0, max_tokens=5, ignore_eos=True, logprobs=3)
+    streamed, whole = make_engine(), make_engine()
+    add_request(streamed, "r", PromptTokens(prompts([9])[0]), params)
+    add_request(whole, "r", PromptTokens(prompts([9])[0]), params, stream=False)
+    a, b = _all_deltas(streamed), _all_deltas(whole)
+    assert len(b) == len(a) == 2 * 5 and not whole.output.final_only
+    assert [(d.index, d.token_ids, d.logprobs) for d in b] == [
+        (d.index, d.token_ids, d.logprobs) for d in a]
 
 
 def test_an_aborted_response_sent_whole_returns_what_it_generated(make_engine):

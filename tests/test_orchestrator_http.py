@@ -60,3 +60,37 @@ def test_the_body_limit_is_the_cluster_files():
     assert got == 400, body                  # read whole, then refused as not JSON
     with pytest.raises(ValueError, match="max_body_bytes"):
         ClusterConfig(PoolConfig(()), PoolConfig(()), max_body_bytes=100)
+
+
+CHAT = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("path, body, param", [
+    # 128 x 391 tokens x 21 entries, past 2^20 (protocol/logprob_bound.py): refused here
+    ("/v1/completions", {"prompt": "hi", "n": 128, "max_tokens": 391, "logprobs": 20}, "logprobs"),
+    ("/v1/completions", {"prompt": ["a", "b"], "n": 64, "max_tokens": 391, "logprobs": 20},
+     "logprobs"),
+    ("/v1/chat/completions", {"messages": CHAT, "n": 128, "logprobs": True,
+                              "max_completion_tokens": 8200}, "max_completion_tokens"),
+    # passed on toward a worker (none here: 503): within the bound (16 tokens by default),
+    # a stream, or no max_tokens (what the context leaves is the worker's to count)
+    ("/v1/completions", {"prompt": "hi", "n": 128, "logprobs": 20}, None),
+    ("/v1/completions", {"prompt": "hi", "n": 128, "max_tokens": 391, "logprobs": 20,
+                         "stream": True}, None),
+    ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 20}, None),
+])
+def test_logprobs_past_the_bound_are_refused_before_a_worker_sees_them(path, body, param):
+    data = json.dumps(body).encode()
+    raw = b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (
+        path.encode(), len(data), data)
+    got, answer = asyncio.run(_answer(raw))
+    error = json.loads(answer)["error"]
+    assert (got, error["param"]) == ((400, param) if param else (503, None)), error
+
+
+def test_a_streamed_request_tells_its_context_worker():
+    """whose bound on a body built whole does not apply to the client's stream"""
+    from splitserve.orchestrator.relay import context_body
+    assert context_body({"prompt": "hi", "stream": True}, "list")["disaggregated_params"] == {
+        "request_type": "context_only", "token_relay": "list", "client_stream": True}
+    assert "client_stream" not in context_body({"prompt": "hi"}, "list")["disaggregated_params"]

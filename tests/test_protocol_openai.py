@@ -328,6 +328,24 @@ def test_completion_logprobs_format():
                         "text_offset": [0, 2]}
 
 
+def test_logprobs_encoded_piece_by_piece_equal_them_encoded_whole():
+    """A whole choice's logprobs are encoded PIECE positions at a time (a thread building a
+    large body holds the GIL one piece at a time): the bytes are those of one encode."""
+    from splitserve.protocol import openai_logprobs as L
+    entries = [lp(i % 50, -0.01 * i, top=[(i % 7, -0.5), (3, -9.0)])
+               for i in range(2 * L.PIECE + 5)]
+    whole = msgspec.json.encode
+    for n in (0, 1, L.PIECE, len(entries)):
+        part = entries[:n]
+        assert bytes(L.chat_logprobs_json(part, token_text, 1)) == whole(
+            {"content": L.chat_logprobs(part, token_text, 1)})
+        items = [(3, None)] + [(e.token_id, e) for e in part]
+        assert bytes(L.completion_logprobs_json(items, token_text, 2)) == whole(
+            L.completion_logprobs(items, token_text, 2, 0)[0])
+        assert bytes(L.vllm_prompt_logprobs_json([None, *part], token_text)) == whole(
+            [None, *(L.vllm_prompt_entry(e, token_text) for e in part)])
+
+
 def test_echo_prepends_prompt_and_its_logprobs():
     prompt_lps = [None, lp(4, -3.0)]
     deltas = [CompletionDelta("r", 0, [5], "t5", logprobs=[lp(5)], prompt_logprobs=prompt_lps,

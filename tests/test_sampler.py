@@ -269,4 +269,4 @@ def test_prompt_logprobs_score_next_prompt_tokens():
         assert lp.logprob == pytest.approx(ref[row, tok].item(), abs=1e-5)
         assert lp.rank == 1 + int((ref[row] > ref[row, tok]).sum())
         assert [i for i, _ in lp.top] == ref[row].topk(3).indices.tolist()
-    assert prompt_logprobs(logits[:2], torch.tensor([1, 2]), 0)[1].top == []
+    assert prompt_logprobs(logits[:2], torch.tensor([1, 2]), 0)[1].top == ()

@@ -1,6 +1,10 @@
-"""`splitserve up --api-key K`: the official openai client with K is served, without it or
-with another key it is refused; the internal secret `up` generates reaches every child
-through its environment, never a command line."""
+"""`splitserve up --api-key K --host 0.0.0.0`: the official openai client with K is served,
+without it or with another key it is refused; the internal secret `up` generates reaches
+every child through its environment, never a command line; only the orchestrator listens
+beyond loopback."""
+
+import ipaddress
+import os
 
 import openai
 import pytest
@@ -12,11 +16,14 @@ CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
-def up():
+def up(tmp_path_factory):
+    log = tmp_path_factory.mktemp("up") / "up.log"
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("SPLITSERVE_INTERNAL_SECRET")     # so that `up` makes one
         mp.delenv("SPLITSERVE_API_KEY", raising=False)
-        cluster = UpCluster("--model", "tiny-random", "--dtype", "float32", "--api-key", KEY)
+        cluster = UpCluster("--model", "tiny-random", "--dtype", "float32", "--api-key", KEY,
+                            "--host", "0.0.0.0", log=log)
+    cluster.log = log
     try:
         yield cluster
     finally:
@@ -74,3 +81,40 @@ def test_a_client_that_goes_around_the_orchestrator_needs_the_key_too(up):
     worker = f"http://127.0.0.1:{up.port + 1}"
     assert_unauthorized(*call("GET", worker + "/v1/models"), "You didn't provide")
     assert call("GET", worker + "/v1/models", headers={"Authorization": f"Bearer {KEY}"})[0] == 200
+
+
+def listening_addresses(pid: int) -> dict[int, str]:
+    """{port: address} of the TCP sockets process `pid` listens on (/proc/net/tcp*)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    out = {}
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/{pid}/net/{table}") as f:
+            for row in f.read().splitlines()[1:]:
+                fields = row.split()
+                if fields[3] == "0A" and fields[9] in inodes:    # LISTEN
+                    address, port = fields[1].split(":")
+                    out[int(port, 16)] = _address(bytes.fromhex(address))
+    return out
+
+
+def _address(raw: bytes) -> str:
+    """/proc/net/tcp* print an address as 32-bit words in host (little-endian) order."""
+    words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    return str(ipaddress.ip_address(words))
+
+
+def test_up_host_exposes_the_orchestrator_only(up):
+    assert listening_addresses(up.proc.pid) == {up.port: "0.0.0.0"}
+    workers = {port: address for pid in descendants(up.proc.pid)
+               for port, address in listening_addresses(pid).items()}
+    assert {up.port + 1, up.port + 2} <= set(workers)    # their HTTP ports (and KV servers)
+    assert set(workers.values()) == {"127.0.0.1"}, workers
+    with open(up.log) as f:    # an API key: no warning about one
+        assert "without an API key" not in f.read()

@@ -119,7 +119,10 @@ class EngineCore(FailureHandling):
         leader.pull_prompt = prompt.is_placeholder and reads_prompt(params, request.prompt_back)
         leader.prompt_back = leader.pull_prompt and request.prompt_back
         children = self.groups[rid] = [leader, *siblings]
-        if not request.stream:
+        # Final-only output, except for sequences with generation logprobs: held, their
+        # deltas grow to the whole response's logprobs (2^20 entries at the bound), which the
+        # front-end decodes as one message on its event loop (~1 s); per step, k + 1 each.
+        if not request.stream and params.logprobs is None:
             for req in children:
                 self.output.send_whole(req)
         if resumed is not None:   # its text was sent already: the detokenizer reads it silently

@@ -216,7 +216,7 @@ def token_logprobs(logprobs: Tensor, token_ids: Tensor, ks: list[int]) -> list[T
     kmax = min(max(ks, default=0), logprobs.shape[1])
     top_vals, top_ids = logprobs.topk(kmax, dim=-1)                             # (N, kmax)
     top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
-    return [TokenLogprobs(tok, lp, rank, list(zip(top_ids[n][:k], top_vals[n][:k])))
+    return [TokenLogprobs(tok, lp, rank, tuple(zip(top_ids[n][:k], top_vals[n][:k])))
             for n, (tok, lp, rank, k) in enumerate(zip(token_ids.tolist(),
                                                        chosen.squeeze(1).tolist(),
                                                        ranks.tolist(), ks))]

@@ -115,6 +115,7 @@ class Orchestrator:
         self.metrics.in_flight.inc()
         try:
             body = relay.parse_body(request.body)
+            relay.check_logprobs(request.body, body, request.path == "/v1/chat/completions")
             body = relay.salted(body, self.isolation.salt(body.get("cache_salt"),
                                                           self.gate.tenant(request.header)))
             plan = await self.decider.plan(request, body, self.pools.gen.servers)

@@ -11,6 +11,8 @@ import orjson
 from splitserve.errors import InvalidRequestError
 from splitserve.orchestrator.cluster import RELAY_MODES
 from splitserve.protocol.cache_salt import check_cache_salt
+from splitserve.protocol.logprob_bound import check_generation_logprobs
+from splitserve.protocol.openai_requests import decode_chat_request, decode_completion_request
 
 SSE = "text/event-stream"
 
@@ -89,6 +91,23 @@ def _check_stream_fields(body: dict) -> None:
 _MAX_DUMPS_DEPTH = 254
 
 
+def check_logprobs(raw: bytes, body: dict, chat: bool) -> None:
+    """A response's generation logprobs past the workers' bound (protocol/logprob_bound.py):
+    the same 400 a worker would answer, before any worker sees the request, when the body
+    shows the count: its max_tokens. Without one a worker counts what its context leaves
+    after the prompt, which only it knows (max_model_len, the prompt's tokens): the context
+    worker refuses it then, before its prefill. Only a body asking for logprobs is decoded
+    again, as a worker decodes it (a bad field is a 400 naming it, as there)."""
+    logprobs = body.get("logprobs")
+    if logprobs is None or logprobs is False or body.get("stream") is True:
+        return
+    req = decode_chat_request(raw) if chat else decode_completion_request(raw)
+    params = req.sampling_params()
+    if params.max_tokens is not None:
+        prompts = 1 if chat else len(req.prompts())
+        check_generation_logprobs(req, params.n, params.logprobs, [params.max_tokens] * prompts)
+
+
 def relay_mode(body: dict, default: str) -> str:
     """list | b64 | metadata for this request. `token_relay` in the body overrides the
     cluster's mode (for testing and measurement). auto: length only, always: whatever reads
@@ -105,6 +124,8 @@ def context_body(body: dict, mode: str) -> dict:
     out = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "token_relay")}
     out["stream"] = False
     out["disaggregated_params"] = {"request_type": "context_only", "token_relay": mode}
+    if body.get("stream") is True:     # GEN streams: no bound on a whole body's logprobs
+        out["disaggregated_params"]["client_stream"] = True
     return out
 
 

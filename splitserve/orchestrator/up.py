@@ -22,6 +22,7 @@ import http.client
 import urllib.request
 
 from splitserve import envs
+from splitserve.listen import local_url, warn_if_open
 from splitserve.model.loader import DEFAULT_MODEL
 from splitserve.orchestrator.app import run_orchestrator
 from splitserve.orchestrator.cluster import ClusterConfig, PoolConfig
@@ -36,12 +37,14 @@ KV_HOST = "127.0.0.1"   # the workers' KV servers bind and advertise loopback (-
 
 
 def worker_command(args, role: str, port: int, cpus: WorkerPlan) -> list[str]:
+    """Workers listen on --worker-host, not --host: exposing the orchestrator exposes no
+    worker. They register with the orchestrator at the address this machine reaches it by."""
     cmd = [sys.executable, "-m", "splitserve.cli", "--log-level", args.log_level, "serve",
-           "--role", role, "--port", str(port), "--host", args.host, "--dtype", args.dtype,
+           "--role", role, "--port", str(port), "--host", args.worker_host, "--dtype", args.dtype,
            "--kv-backend", args.kv_backend, "--kv-cache-gib", str(args.kv_cache_gib),
            "--threads", str(cpus.engine_threads), "--cpus", format_cpus(cpus.engine_cpus),
            "--frontend-cpus", format_cpus(cpus.frontend_cpus),
-           "--register", f"http://{args.host}:{args.port}"]
+           "--register", local_url(args.host, args.port)]
     if args.model:
         cmd += ["--model", args.model]
     if args.cache_isolation != "none":   # a client going around the orchestrator is isolated too
@@ -92,7 +95,7 @@ def start_workers(args, plan: ClusterPlan, secret_env: dict[str, str]) -> list[W
         role = "ctx" if i < args.num_ctx else "gen"
         port = args.port + 1 + i
         kv = ["--kv-port", str(kv_ports[i])] if role == "ctx" else ["--kv-peers", kv_peers]
-        children.append(WorkerChild(role, f"http://{args.host}:{port}",
+        children.append(WorkerChild(role, local_url(args.worker_host, port),
                                     worker_command(args, role, port, cpus) + kv, env,
                                     stdin=b""))
     return children
@@ -130,6 +133,22 @@ def banner(config: ClusterConfig, args) -> str:
             f"France?\"}}], \"max_tokens\": 32, \"temperature\": 0}}'\n")
 
 
+def cluster_config(args, secret_env: dict[str, str]) -> ClusterConfig:
+    """The orchestrator's config, with no urls: the workers register (--register) and come
+    and go like any others. Warns if it serves beyond loopback with no API key."""
+    limits = {k: getattr(args, k) for k in ("max_in_flight", "first_byte_timeout",
+                                            "idle_timeout") if getattr(args, k) is not None}
+    config = ClusterConfig(PoolConfig((), args.ctx_router), PoolConfig((), args.gen_router),
+                           host=args.host, port=args.port, processes=args.orchestrators,
+                           api_key=tuple(args.api_key or envs.api_keys()),
+                           cache_isolation=args.cache_isolation,
+                           internal_secret=secret_env["SPLITSERVE_INTERNAL_SECRET"],
+                           local_prefill_max_tokens=args.local_prefill_max_tokens,
+                           model=args.model or DEFAULT_MODEL, **limits)
+    warn_if_open("up", config.host, config.api_key)
+    return config
+
+
 def up(args) -> int:
     plan = plan_cluster(usable_cpus(), args.num_ctx + args.num_gen, args.threads)
     for i, cpus in enumerate(plan.workers):
@@ -137,19 +156,10 @@ def up(args) -> int:
     # Workers are told their CPUs on their command lines, so they may leave this one's.
     pin_process(plan.orchestrator_cpus, "orchestrator")
     logger.info("up: orchestrator on CPUs %s", format_cpus(plan.orchestrator_cpus))
-    limits = {k: getattr(args, k) for k in ("max_in_flight", "first_byte_timeout",
-                                            "idle_timeout") if getattr(args, k) is not None}
-    # No urls: the workers register (--register) and come and go like any others. Built
-    # before any worker starts: a value it refuses is a usage error, with nothing to stop.
+    # Built before any worker starts: a value it refuses is a usage error, with nothing to stop.
     try:
         secret_env = cluster_secrets(args)
-        config = ClusterConfig(PoolConfig((), args.ctx_router), PoolConfig((), args.gen_router),
-                               host=args.host, port=args.port, processes=args.orchestrators,
-                               api_key=tuple(args.api_key or envs.api_keys()),
-                               cache_isolation=args.cache_isolation,
-                               internal_secret=secret_env["SPLITSERVE_INTERNAL_SECRET"],
-                               local_prefill_max_tokens=args.local_prefill_max_tokens,
-                               model=args.model or DEFAULT_MODEL, **limits)
+        config = cluster_config(args, secret_env)
     except ValueError as exc:
         logger.error("up: %s", exc)
         return 2

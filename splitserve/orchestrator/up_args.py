@@ -7,7 +7,12 @@ from __future__ import annotations
 def add_arguments(p) -> None:
     p.add_argument("--model", default=None)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address the orchestrator listens on (0.0.0.0: every interface); "
+                        "the workers stay on --worker-host")
+    p.add_argument("--worker-host", default="127.0.0.1",
+                   help="address the workers listen on (default loopback: only this machine, "
+                        "the orchestrator included, reaches them; 0.0.0.0 exposes them too)")
     p.add_argument("--port", type=int, default=8000, help="orchestrator; workers take the next ports")
     p.add_argument("--num-ctx", type=int, default=1)
     p.add_argument("--num-gen", type=int, default=1)

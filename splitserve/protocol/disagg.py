@@ -37,6 +37,9 @@ class DisaggregatedParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     # (aggregated) request continues after it.
     stream_token_ids: bool | None = None
     resume_token_ids: list[int] | None = None
+    # context_only: the client's request streams (its GEN answers in SSE), so the bound on
+    # a response built whole does not apply (protocol/logprob_bound.py).
+    client_stream: bool | None = None
 
     def __post_init__(self):
         _check(self.ctx_request_id is None or 0 < len(self.ctx_request_id) <= MAX_ID_LEN,

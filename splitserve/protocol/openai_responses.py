@@ -16,7 +16,8 @@ import msgspec
 
 from splitserve.protocol.engine import CompletionDelta, Logprob
 from splitserve.protocol.openai_logprobs import (
-    TokenText, chat_logprobs, completion_logprobs, vllm_prompt_logprobs)
+    TokenText, chat_logprobs, chat_logprobs_json, completion_logprobs, completion_logprobs_json,
+    vllm_prompt_logprobs_json)
 from splitserve.protocol.openai_requests import ChatCompletionRequest, CompletionRequest
 
 # Indexed by FinishReason; HANDOFF (a context_only request continuing on a generation
@@ -183,8 +184,8 @@ class ResponseAccumulator(_Response):
                "created": self.created, "model": self.model, "choices": choices,
                "usage": self.usage.to_dict()}
         if self.chat and self.want_prompt_logprobs and self.choices[0].prompt_logprobs:
-            out["prompt_logprobs"] = vllm_prompt_logprobs(self.choices[0].prompt_logprobs,
-                                                          self.token_text)
+            out["prompt_logprobs"] = vllm_prompt_logprobs_json(self.choices[0].prompt_logprobs,
+                                                               self.token_text)
         if extra:
             out.update(extra)
         return _encode(out)
@@ -199,7 +200,7 @@ class ResponseAccumulator(_Response):
                 echo_items = _echo_items(echo, c.prompt_logprobs)
         logprobs = None
         if c.logprobs is not None:
-            logprobs, _ = self._logprobs(c.logprobs, echo_items, 0)
+            logprobs = self._logprobs_json(c.logprobs, echo_items)
         reason = None if c.finish_reason is None else FINISH_REASONS[c.finish_reason]
         if self.chat:
             out = {"index": index, "message": {"role": "assistant", "content": text}}
@@ -207,8 +208,16 @@ class ResponseAccumulator(_Response):
             out = {"index": index, "text": text}
         out.update(logprobs=logprobs, finish_reason=reason, stop_reason=c.stop_reason)
         if not self.chat and self.want_prompt_logprobs and c.prompt_logprobs is not None:
-            out["prompt_logprobs"] = vllm_prompt_logprobs(c.prompt_logprobs, self.token_text)
+            out["prompt_logprobs"] = vllm_prompt_logprobs_json(c.prompt_logprobs, self.token_text)
         return out
+
+    def _logprobs_json(self, entries: Sequence[Logprob], echo_items: list) -> msgspec.Raw:
+        """A whole choice's logprobs, encoded piece by piece (openai_logprobs.PIECE)."""
+        assert self.token_text is not None, "logprobs need a token_text callable"
+        if self.chat:
+            return chat_logprobs_json(entries, self.token_text, self.k)
+        items = echo_items + [(e.token_id, e) for e in entries]
+        return completion_logprobs_json(items, self.token_text, self.k)
 
 
 # -- streaming ------------------------------------------------------------------------------

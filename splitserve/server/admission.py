@@ -7,13 +7,9 @@ from __future__ import annotations
 from splitserve.engine.admission import check_prompt
 from splitserve.errors import InvalidRequestError
 from splitserve.protocol.engine import EngineReady, EngineRequest, RemotePrefill, RequestKind
+from splitserve.protocol.logprob_bound import MAX_LOGPROB_ENTRIES, check_generation_logprobs
 from splitserve.sampling_params import SamplingParams
 from splitserve.tokens import PromptTokens
-
-# Prompt logprobs in one response: every choice (n of each prompt) carries its prompt's, k
-# alternatives and the prompt token at each position. 2^20 entries are ~60 MB of JSON; a
-# full 8,192-token prompt at k = 20 fits six times.
-MAX_PROMPT_LOGPROB_ENTRIES = 1 << 20
 
 _KINDS = {None: RequestKind.AGGREGATED, "context_only": RequestKind.CONTEXT_ONLY,
           "generation_only": RequestKind.GENERATION_ONLY}
@@ -31,7 +27,7 @@ def engine_requests(req, rid: str, prompts: list[PromptTokens], params: Sampling
     check that names a client's parameter passed; and the resumed output, if any.
     hash_root: the salted root every prompt's block hashes start from."""
     check_prompts(prompts, params, ready)
-    check_prompt_logprobs(req, prompts, params)
+    check_logprobs(req, prompts, params, ready.max_model_len)
     kind = request_kind(req)
     if kind != RequestKind.AGGREGATED and len(prompts) > 1:
         raise InvalidRequestError("a disaggregated request takes one prompt", "prompt")
@@ -61,20 +57,39 @@ def check_prompts(prompts: list[PromptTokens], params: SamplingParams, ready: En
                 f"to generate)", "max_tokens")
 
 
-def check_prompt_logprobs(req, prompts: list[PromptTokens], params: SamplingParams) -> None:
-    """Prompt logprobs (asked for, or echo with logprobs) multiply: prompt tokens x n x
-    (k + 1) entries, all built into one response."""
+def check_logprobs(req, prompts: list[PromptTokens], params: SamplingParams,
+                   max_model_len: int) -> None:
+    """Logprobs multiply: prompt and generated tokens, times n, times k + 1, all in one
+    response (protocol/logprob_bound.py). A length unset generates what the context leaves."""
+    prompt_entries = check_prompt_logprobs(req, prompts, params)
+    lengths = [params.max_tokens or max_model_len - len(p) for p in prompts]
+    check_generation_logprobs(req, params.n, params.logprobs, lengths, prompt_entries)
+
+
+def logprob_entries(prompts: list[PromptTokens], params: SamplingParams, generated: int) -> int:
+    """The entries of a response whose choices generated `generated` tokens in all."""
+    gen = 0 if params.logprobs is None else generated * (params.logprobs + 1)
+    return prompt_logprob_entries(prompts, params) + gen
+
+
+def prompt_logprob_entries(prompts: list[PromptTokens], params: SamplingParams) -> int:
+    """Every choice (n of each prompt) carries its prompt's: each position's token and k
+    alternatives."""
     k = params.prompt_logprobs
-    if k is None:
-        return
-    tokens = sum(len(p) for p in prompts)
-    entries = tokens * params.n * (k + 1)
-    if entries > MAX_PROMPT_LOGPROB_ENTRIES:
+    return 0 if k is None else sum(len(p) for p in prompts) * params.n * (k + 1)
+
+
+def check_prompt_logprobs(req, prompts: list[PromptTokens], params: SamplingParams) -> int:
+    """Prompt logprobs (asked for, or echo with logprobs): their entries, within the bound."""
+    entries = prompt_logprob_entries(prompts, params)
+    if entries > MAX_LOGPROB_ENTRIES:
+        k, tokens = params.prompt_logprobs, sum(len(p) for p in prompts)
         param = "prompt_logprobs" if getattr(req, "prompt_logprobs", None) is not None else "logprobs"
         raise InvalidRequestError(
             f"prompt logprobs would return {entries:,} entries ({tokens:,} prompt tokens x n = "
-            f"{params.n} x {k + 1} per position); at most {MAX_PROMPT_LOGPROB_ENTRIES:,} per "
+            f"{params.n} x {k + 1} per position); at most {MAX_LOGPROB_ENTRIES:,} per "
             f"request: ask for fewer alternatives, choices or prompts", param)
+    return entries
 
 
 def check_message_count(count: int, max_model_len: int) -> None:

@@ -23,8 +23,8 @@ from splitserve.protocol.openai import (
     DONE, ChatCompletionRequest, CompletionRequest, EchoPrompt, ResponseAccumulator,
     StreamEncoder, decode_chat_request, decode_completion_request, response_id, sse_error)
 from splitserve.server.admission import (
-    check_message_count, encode_prompt, engine_requests, relay_fields, relayed_prompt,
-    request_kind)
+    check_message_count, encode_prompt, engine_requests, logprob_entries, relay_fields,
+    relayed_prompt, request_kind)
 from splitserve.server.engine_client import EngineDeadError
 from splitserve.tokens import PromptTokens
 from splitserve.trust import Gate, NotInternal
@@ -32,6 +32,9 @@ from splitserve.trust import Gate, NotInternal
 logger = logging.getLogger(__name__)
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+# Logprob entries a response body may carry and still be built on the event loop: ~4 us
+# each in chat (~4 ms for these), more than the hop to the tokenizer pool costs.
+ON_LOOP_MAX_ENTRIES = 1024
 
 
 def _counted(handler):
@@ -155,9 +158,9 @@ class GenerateHandlers:
                 kv_handle=relayed_handle(handoff.kv_handle, req.disaggregated_params.token_relay),
                 token_relay=req.disaggregated_params.token_relay,
                 **relay_fields(req.disaggregated_params.token_relay, prompts[0]))}
-        if params.prompt_logprobs is None:
+        if logprob_entries(prompts, params, acc.usage.completion) <= ON_LOOP_MAX_ENTRIES:
             return Response(acc.body(extra))
-        # up to MAX_PROMPT_LOGPROB_ENTRIES entries to shape: seconds of CPU, in the pool
+        # up to MAX_LOGPROB_ENTRIES entries to shape: seconds of CPU, in the pool
         return Response(await self.server.in_pool(lambda: acc.body(extra)))
 
     async def _stream(self, request, req, deltas, observe, kwargs) -> ChunkedStream:

@@ -20,20 +20,19 @@ import socket
 import urllib.request
 
 from splitserve.internal_client import InternalClient
+from splitserve.listen import WILDCARDS, http_url
 
 logger = logging.getLogger(__name__)
 
 TTL = 10.0            # seconds the orchestrator keeps this worker without a heartbeat
 RETRY = 1.0           # seconds between tries while the orchestrator does not answer
 ROLE = {"ctx": "context", "gen": "generation", "agg": "generation"}
-WILDCARDS = ("", "0.0.0.0", "::")
 
 
 def own_url(host: str, port: int) -> str:
     """The url the orchestrator reaches this worker at (a wildcard host: this machine's
     name)."""
-    host = socket.getfqdn() if host in WILDCARDS else host
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    return http_url(socket.getfqdn() if host in WILDCARDS else host, port)
 
 
 class Registration:
