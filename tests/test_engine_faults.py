@@ -238,7 +238,7 @@ def test_an_input_that_fails_to_decode_answers_each_request_it_names(zmq_pair, e
     garbled = {"request_id": "bad", "params": {"temperature": "hot"}, "prompt_len": 2}
     refused = {"request_id": "refused", "params": {"seed": 2**64 - 1}, "prompt_len": 1}
     header = msgspec.msgpack.encode({"type": "add", "requests": [
-        msgspec.to_builtins(good), garbled, {"no": "id"}, refused]})
+        msgspec.to_builtins(good, builtin_types=(bytes,)), garbled, {"no": "id"}, refused]})
     push.send(b"\x01\x00")                                  # not even a header
     push.send(pack_input(header, [prompt(1).array.tobytes(), b"\0" * 8, b"\0" * 4]))
     items = [in_q.get(timeout=30) for _ in range(3)]
