@@ -2,8 +2,7 @@
 
 An engine's OpenMP threads wait for each other at the end of every parallel region, so one
 thread that loses its core to the front-end, a client or another engine stalls the whole
-step: on 2 CPUs, an engine with 2 threads beside its own front-end and a load generator
-decoded 3x slower than the same engine alone. So engines get CPUs of their own, one thread
+step (docs/tuning.md has what it cost). So engines get CPUs of their own, one thread
 per CPU, and the front-ends (and `up`'s orchestrator) get the CPUs left over, as vLLM does
 (one CPU reserved for its front-end, the engine's threads bound to the rest).
 

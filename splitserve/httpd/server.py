@@ -5,13 +5,9 @@ write, streams as chunks.
 It exists for the cost per request on a single event loop: the generation front-end
 answers thousands of small relayed requests a second, and a general web framework's
 per-request machinery (router, middleware chain, request/response objects with multidicts
-and payload streams) cost more than the work itself.
-
-Measured with `splitserve bench frontend` (tiny-random, metadata relay, ISL 32k, 64
-connections, on a shared 2-core machine): 52-60 us of front-end CPU per request with the
-limits of limits.py (54-59 us before them), against 83-86 us for the same handlers behind
-uvicorn 0.55's httptools protocol (ASGI: scope dicts, receive/send events, a task per
-request and its flow control), which serves a third fewer requests a second.
+and payload streams, ASGI's scope dicts and receive/send events) cost more than the work
+itself (docs/reliability.md compares it with uvicorn's; docs/benchmarks.md, section 4, has
+its cost per request).
 """
 
 from __future__ import annotations

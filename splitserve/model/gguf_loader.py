@@ -1,9 +1,9 @@
 """Read a GGUF file (llama.cpp's format): model config, tokenizer and weights.
 
 The header (key/values and tensor infos) is parsed here with `struct` rather than with
-`gguf.GGUFReader`: the reader builds a numpy view per array element and takes ~6 s on the
-bundled model's 49k-entry vocabulary and merge list; this takes ~0.1 s. Dequantization is
-left to `gguf.quants`.
+`gguf.GGUFReader`: the reader builds a numpy view per array element, seconds of work on a
+vocabulary and merge list of tens of thousands of entries (docs/tuning.md).
+Dequantization is left to `gguf.quants`.
 
 Weights come out under Hugging Face names with llama.cpp's Q/K row permutation undone, so
 everything downstream sees one layout whatever the file format.

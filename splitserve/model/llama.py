@@ -33,7 +33,7 @@ class RMSNorm(nn.Module):
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Hugging Face's order: normalise in float32, round to x's dtype, then scale.
         # F.rms_norm scales before rounding (bfloat16 results differ by up to 1 ulp), and its
-        # bfloat16 path is 3-4x slower than these five kernels on a 512-token prefill.
+        # bfloat16 path is slower than these five kernels on a prefill (docs/tuning.md).
         x32 = x.float()
         rms = torch.rsqrt(x32.square().mean(-1, keepdim=True).add_(self.eps))
         return x32.mul_(rms).to(x.dtype).mul_(self.weight)

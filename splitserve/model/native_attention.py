@@ -2,10 +2,10 @@
 decode batch (attention_decode.c).
 
 The kernels read keys and values in place from the paged cache through the block tables,
-so nothing is gathered and no mask tensor is built. Prefill: On one core it runs ~2.6x faster
-than PyTorch's flash SDPA at 2k tokens with AVX-512 and ~1.4x with AVX2 (SmolLM2's 9 query /
-3 KV heads of 64; see docs/benchmarks.md). Decode reads each sequence's KV once, where
-gather + SDPA moves it three times. The kernels are single-threaded: an engine with several
+so nothing is gathered and no mask tensor is built. Prefill runs faster than PyTorch's flash
+SDPA on one core (docs/tuning.md; docs/benchmarks.md, section 1, the C kernels against
+PyTorch's on this machine). Decode reads each sequence's KV once, where gather + SDPA moves
+it three times. The kernels are single-threaded: an engine with several
 torch threads splits a prefill chunk's queries into that many row ranges of equal causal
 work, and a decode batch into groups of sequences, and runs them on a thread pool (ctypes
 releases the GIL for the call).

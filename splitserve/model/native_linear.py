@@ -3,10 +3,10 @@
 At load time the weight W (N, K) is laid out once in the kernel's tiles (N / NR, K, NR):
 NR output rows interleaved along K, NR being the kernel's two vector registers (32 floats
 with AVX-512, 16 with AVX2). Decode (a few rows of x) then reads every weight once, front
-to back, with no horizontal sums. Over SmolLM2-135M's 121 decode matrices on an EPYC
-(Zen 5, one thread) that is 1.2x faster than oneDNN's packed weights at 1 row and 1.4x at
-8, and per matrix as fast at 512 rows of prefill, so one layout and one copy of each
-weight serve both.
+to back, with no horizontal sums: faster than oneDNN's packed weights at decode's few rows
+and as fast at prefill's hundreds, so one layout and one copy of each weight serve both
+(docs/tuning.md has the measurement; docs/benchmarks.md, section 1, the C kernels against
+PyTorch's on this machine).
 
 The kernel runs on the engine's one thread, sharing its tiles with the kernels' helper
 thread when one runs (native_pool.py: the idle time of the front-end's CPU), so the layout

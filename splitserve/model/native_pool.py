@@ -5,8 +5,9 @@ A worker's engine runs one pinned thread beside its front-end's CPU on a small m
 (splitserve/placement.py). That CPU sleeps through most of a step, waking to stream tokens
 and parse requests. The helper runs there under SCHED_IDLE, so it gets the CPU only while
 nothing else wants it, and it claims work in small ranges rather than owning a share, so
-the engine thread never waits for it beyond the one range it holds. A 128-token prefill's
-linears run 1.9x faster with it on an idle CPU; with none, exactly as fast as alone.
+the engine thread never waits for it beyond the one range it holds: with an idle CPU the
+kernels run faster, with none exactly as fast as alone (docs/benchmarks.md, section 1: the
+float32-worker rows with and without the helper).
 """
 
 from __future__ import annotations

@@ -4,8 +4,7 @@ A plain nn.Linear hands oneDNN a row-major (N, K) weight on every call, and for 
 row counts of decode oneDNN streams that layout from memory at a fraction of the bandwidth
 it reaches on its own blocked layout. Reordering once (torch.ops.mkldnn._reorder_linear_weight,
 what torch.compile's CPU freezing pass does) and calling the matmul on the packed weight
-makes decode matmuls 1.5-2.5x faster on an AVX-512 EPYC (SmolLM2's shapes, batch 1-8; see
-docs/benchmarks.md), for float32 and bfloat16 alike. The result equals F.linear up to
+makes decode matmuls faster, for float32 and bfloat16 alike (docs/tuning.md). The result equals F.linear up to
 float32 accumulation order.
 
 The packed weight is opaque: it cannot be read back as a tensor, so packing happens after
