@@ -35,56 +35,13 @@ def _chat(args) -> int:
     return 0
 
 
-def _engine_config(args, threads: int | None = None):
-    from splitserve import envs
-    from splitserve.config import CacheConfig, EngineConfig, KVTransferConfig, SchedulerConfig
-    return EngineConfig(
-        model=args.model, dtype=args.dtype, quantization=args.quantization,
-        max_model_len=args.max_model_len,
-        num_threads=threads or args.threads or envs.num_threads(), seed=args.seed,
-        cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
-                          memory_bytes=int(args.kv_cache_gib * (1 << 30)),
-                          enable_prefix_caching=not args.no_prefix_caching),
-        scheduler=SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs),
-        kv=KVTransferConfig(args.kv_backend, args.kv_host, args.kv_port, args.kv_lease_seconds,
-                            args.kv_timeout, peers=args.kv_peers))
-
-
-def _add_engine_arguments(p) -> None:
-    p.add_argument("--model", default=None,
-                   help="HF folder, .gguf file, 'tiny-random' (default: bundled SmolLM2-135M)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="auto: bfloat16 where the CPU computes it natively, else float32")
-    p.add_argument("--quantization", default=None, choices=["int8", "fp16"],
-                   help="weight quantization (activations float32)")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch threads of the engine (default: one per CPU it gets)")
+def _add_placement_arguments(p) -> None:
     from splitserve.placement import cpu_list_argument
     p.add_argument("--cpus", type=cpu_list_argument, default=None,
                    help="CPUs of the engine, e.g. 1-3 (default: all usable but the first, "
                         "kept for the front-end)")
     p.add_argument("--frontend-cpus", type=cpu_list_argument, default=None,
                    help="CPUs of the front-end (default: those the engine does not get)")
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-blocks", type=int, default=None)
-    p.add_argument("--kv-cache-gib", type=float, default=1.0)
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    from splitserve.kv import TRANSPORT_MODULES
-    p.add_argument("--kv-backend", default="tcp", choices=list(TRANSPORT_MODULES),
-                   help="how KV moves from CTX to GEN workers; none moves nothing, so "
-                        "generation_only output is garbage (front-end benchmarks only)")
-    p.add_argument("--kv-host", default="127.0.0.1", help="address the KV server binds/advertises")
-    p.add_argument("--kv-port", type=int, default=0)
-    p.add_argument("--kv-lease-seconds", type=float, default=30.0)
-    p.add_argument("--kv-timeout", type=float, default=30.0, help="seconds a KV pull may take")
-    from splitserve.kv.peers import parse_peers
-    p.add_argument("--kv-peers", default=(), type=parse_peers,
-                   help="comma-separated tcp://host:port KV endpoints of the context workers "
-                        "this worker may pull from (default: loopback endpoints only)")
 
 
 def _add_secret_arguments(p, what: str, isolation_default: str | None = "none") -> None:
@@ -117,27 +74,19 @@ def server_config(args, threads: int | None = None):
     """`serve`'s ServerConfig: the secrets from the command line or the environment, and
     the engine's torch threads (placement.py's plan). Warns if it serves beyond loopback
     with no API key."""
-    from dataclasses import replace
     from splitserve import envs
-    from splitserve.httpd.limits import HTTPLimits
+    from splitserve.config import EngineConfig, KVTransferConfig
+    from splitserve.flags import from_flags
     from splitserve.listen import warn_if_open
     from splitserve.server.config import ServerConfig
     secret = args.internal_secret or envs.internal_secret()
-    engine = _engine_config(args, threads)
     # The engine process keys the KV channel with it (its config crosses pickled, not argv).
-    engine = replace(engine, kv=replace(engine.kv, secret=secret))
-    config = ServerConfig(host=args.host, port=args.port, role=args.role,
-                          api_key=tuple(args.api_key or envs.api_keys()),
-                          internal_secret=secret, cache_isolation=args.cache_isolation,
-                          served_model_name=args.served_model_name,
-                          max_body_bytes=args.max_body_bytes,
-                          max_waiting_requests=args.max_waiting_requests,
-                          engine_stall_seconds=args.engine_stall_seconds,
-                          api_server_count=args.api_server_count, register=args.register,
-                          http=HTTPLimits(head_timeout=args.request_head_timeout,
-                                          body_timeout=args.request_body_timeout,
-                                          max_connections=args.max_connections),
-                          engine=engine)
+    engine = from_flags(EngineConfig, args,
+                        num_threads=threads or args.threads or envs.num_threads(),
+                        kv=from_flags(KVTransferConfig, args, secret=secret))
+    config = from_flags(ServerConfig, args, engine=engine, internal_secret=secret,
+                        api_key=tuple(args.api_key or envs.api_keys()),
+                        cache_isolation=args.cache_isolation)
     warn_if_open(config.log_prefix, config.host, config.api_key)
     return config
 
@@ -257,6 +206,8 @@ def _up(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from splitserve.config import EngineConfig
+    from splitserve.flags import add_flags
     parser = argparse.ArgumentParser(prog="splitserve", description=__doc__)
     parser.add_argument("--log-level", default=None,
                         help="default: $SPLITSERVE_LOG_LEVEL, else INFO")
@@ -264,49 +215,25 @@ def build_parser() -> argparse.ArgumentParser:
 
     chat = sub.add_parser("chat", help="answer one chat message offline")
     chat.add_argument("message")
-    chat.add_argument("--model", default=None)
-    chat.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    add_flags(chat, EngineConfig, "--model", "--dtype")
     chat.add_argument("--temperature", type=float, default=0.0)
     chat.add_argument("--max-tokens", type=int, default=128)
     chat.set_defaults(func=_chat)
 
-    from splitserve.httpd.limits import HTTPLimits
     from splitserve.server.config import ServerConfig
     serve = sub.add_parser("serve", help="run one worker: OpenAI HTTP front-end + engine")
-    _add_engine_arguments(serve)
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--role", default="agg", choices=["agg", "ctx", "gen"])
-    serve.add_argument("--served-model-name", default=None)
-    serve.add_argument("--api-server-count", "--frontends", type=int, default=1,
-                       help="HTTP front-end processes on the port, sharing one engine process")
-    serve.add_argument("--max-body-bytes", type=int, default=64 << 20)
-    serve.add_argument("--max-waiting-requests", type=int,
-                       default=ServerConfig.max_waiting_requests,
-                       help="requests waiting for the engine past which new ones are refused "
-                            "at once (503 with Retry-After)")
-    serve.add_argument("--engine-stall-seconds", type=float,
-                       default=ServerConfig.engine_stall_seconds,
-                       help="/health answers 503 when the engine completed no step for this "
-                            "long while holding requests (longer than the longest step)")
-    serve.add_argument("--max-connections", type=int, default=HTTPLimits.max_connections,
-                       help="clients' open connections; past it a new one closes the longest "
-                            "idle one, or is answered 503 when all are busy (the cluster's own "
-                            "connections come on top, within the file descriptor limit)")
-    serve.add_argument("--request-head-timeout", type=float, default=HTTPLimits.head_timeout,
-                       help="seconds a request line and headers may take (then 408)")
-    serve.add_argument("--request-body-timeout", type=float, default=HTTPLimits.body_timeout,
-                       help="seconds a request body may take once its head is in (then 408)")
-    serve.add_argument("--register", default=None, metavar="ORCH_URL",
-                       help="join this orchestrator's pools while serving; leave on a clean stop")
+    add_flags(serve, EngineConfig)
+    _add_placement_arguments(serve)
+    add_flags(serve, ServerConfig)
     _add_secret_arguments(serve, "this worker")
     serve.set_defaults(func=_serve)
 
+    from splitserve.orchestrator.cluster import ClusterConfig
     orch = sub.add_parser("orchestrator", help="the cluster's front door, from a cluster YAML")
     orch.add_argument("-c", "--config", default=None, help="the cluster YAML (required)")
     orch.add_argument("--processes", type=int, default=None,
                       help="orchestrator processes serving the port together (SO_REUSEPORT; "
-                           "overrides the YAML's `processes`, default 1)")
+                           f"overrides the YAML's `processes`, default {ClusterConfig.processes})")
     orch.add_argument("--fleet-child", default=None, help=argparse.SUPPRESS)
     orch.add_argument("--host", default=None)
     orch.add_argument("--port", type=int, default=None)

@@ -7,6 +7,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from splitserve.flags import flag, flags_within
 from splitserve.kv import TRANSPORT_MODULES
 
 if TYPE_CHECKING:
@@ -16,7 +17,7 @@ logger = logging.getLogger(__name__)
 
 # Names only: torch loads where a model runs (an engine process, `bench engine`), never for a
 # process that only reads configuration (the orchestrator, `splitserve up`'s parent).
-_DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")    # auto: see auto_dtype()
 QUANTIZATIONS = ("int8", "fp16")   # model/quant.py: the weight paths behind each
 
 
@@ -27,10 +28,15 @@ def _require(ok: bool, message: str) -> None:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    block_size: int = 16
-    num_blocks: int | None = None          # None: derived from memory_bytes
-    memory_bytes: int = 1 << 30            # KV cache budget when num_blocks is None
-    enable_prefix_caching: bool = True
+    block_size: int = field(default=16, metadata=flag(
+        "--block-size", "tokens per KV cache block, a power of two"))
+    num_blocks: int | None = field(default=None, metadata=flag(
+        "--num-blocks", "KV cache blocks (default: as many as --kv-cache-gib holds)"))
+    memory_bytes: int = field(default=1 << 30, metadata=flag(
+        "--kv-cache-gib", "KV cache size in GiB, when --num-blocks is not given",
+        type=float, unit=1 << 30))
+    enable_prefix_caching: bool = field(default=True, metadata=flag(
+        "--no-prefix-caching", "never reuse the KV blocks of an earlier request's prompt"))
 
     def __post_init__(self):
         _require(self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
@@ -42,28 +48,47 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_batched_tokens: int = 512      # token budget of one step (chunked prefill size)
-    max_num_seqs: int = 64                 # running requests at most
+    max_num_batched_tokens: int = field(default=512, metadata=flag(
+        "--max-num-batched-tokens", "tokens one engine step computes at most: the chunk a long "
+                                    "prompt is prefilled in"))
+    max_num_seqs: int = field(default=64, metadata=flag(
+        "--max-num-seqs", "requests running at once at most"))
 
     def __post_init__(self):
         _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1")
         _require(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")
 
 
+def _peers(text: str) -> tuple[str, ...]:
+    """--kv-peers' argparse type, imported when used: kv/peers.py loads ZeroMQ."""
+    from splitserve.kv.peers import parse_peers
+    return parse_peers(text)
+
+
 @dataclass(frozen=True)
 class KVTransferConfig:
-    backend: str = "tcp"                   # a transport of kv/__init__.py: tcp, nixl, none
-    host: str = "127.0.0.1"                # address the KV server binds and advertises
-    port: int = 0                          # 0: any free port
-    lease_seconds: float = 30.0            # a context_only request's KV waits this long for a pull
-    timeout: float = 30.0                  # a pull that takes longer fails its request
+    backend: str = field(default="tcp", metadata=flag(
+        "--kv-backend", "how KV moves from CTX to GEN workers; none moves nothing, so "
+                        "generation_only output is garbage: front-end benchmarks only",
+        choices=tuple(TRANSPORT_MODULES)))
+    host: str = field(default="127.0.0.1", metadata=flag(
+        "--kv-host", "address the KV server binds and advertises"))
+    port: int = field(default=0, metadata=flag(
+        "--kv-port", "port of the KV server, 0: any free one"))
+    lease_seconds: float = field(default=30.0, metadata=flag(
+        "--kv-lease-seconds", "seconds a context_only request's KV waits for its pull"))
+    timeout: float = field(default=30.0, metadata=flag(
+        "--kv-timeout", "seconds a KV pull may take before its request fails"))
     connect_timeout: float = 5.0           # a CTX not connected by then fails the pull (refused: at once)
     idle_seconds: float = 60.0             # a GEN's connection to a CTX unused this long is closed
     pull_threads: int = 8                  # pulls from this many CTXs run side by side
     # The cluster's internal secret: keys the KV channel's handshake (CURVE). Never logged.
     secret: str | None = field(default=None, repr=False)
     # KV endpoints (tcp://host:port) a generation_only request may name; see kv/peers.py.
-    peers: tuple[str, ...] = ()
+    peers: tuple[str, ...] = field(default=(), metadata=flag(
+        "--kv-peers", "comma-separated tcp://host:port KV endpoints of the context workers "
+                      "this worker may pull from (default: loopback endpoints only)",
+        type=_peers))
 
     def __post_init__(self):
         _require(self.backend in TRANSPORT_MODULES, f"KV backend must be one of "
@@ -77,20 +102,34 @@ class KVTransferConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str | None = None               # None: the bundled SmolLM2-135M-Instruct
-    dtype: str = "auto"                    # "auto": see auto_dtype()
-    quantization: str | None = None        # "fp16" | "int8" weights; see model/quant.py
-    pack_weights: bool = True              # oneDNN blocked float weights; see model/packed.py
-    max_model_len: int | None = None       # None: the model's context length
-    num_threads: int | None = None         # torch intra-op threads; None: leave as is
-    seed: int | None = None                # seeds the sampler for requests without a seed
-    cache: CacheConfig = field(default_factory=CacheConfig)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    kv: KVTransferConfig = field(default_factory=KVTransferConfig)
+    model: str | None = field(default=None, metadata=flag(
+        "--model", "a Hugging Face folder, a .gguf file or tiny-random (default: the bundled "
+                   "SmolLM2-135M-Instruct)"))
+    dtype: str = field(default="auto", metadata=flag(
+        "--dtype", "auto: bfloat16 where the CPU computes it natively, else float32",
+        choices=DTYPES))
+    quantization: str | None = field(default=None, metadata=flag(
+        "--quantization", "int8 (per output channel) or fp16 weights, activations in float32 "
+                          "(see model/quant.py; default: none)", choices=QUANTIZATIONS))
+    pack_weights: bool = field(default=True, metadata=flag(
+        "--no-pack-weights", "plain row-major float weights instead of oneDNN's blocked layout "
+                             "(see model/packed.py), to measure the difference"))
+    max_model_len: int | None = field(default=None, metadata=flag(
+        "--max-model-len", "tokens a sequence holds at most, prompt and output (default: the "
+                           "model's context length); never more than the KV cache holds"))
+    # None: torch's as it is; serve's and up's plans give each engine one per CPU it gets.
+    num_threads: int | None = field(default=None, metadata=flag(
+        "--threads", "torch threads of the engine (default: one per CPU it gets)"))
+    seed: int | None = field(default=None, metadata=flag(
+        "--seed", "seeds the sampler for requests without a seed of their own (default: a "
+                  "random seed)"))
+    cache: CacheConfig = field(default_factory=CacheConfig, metadata=flags_within())
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig, metadata=flags_within())
+    kv: KVTransferConfig = field(default_factory=KVTransferConfig, metadata=flags_within())
 
     def __post_init__(self):
-        _require(self.dtype == "auto" or self.dtype in _DTYPES,
-                 f"dtype must be auto or one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+        _require(self.dtype in DTYPES,
+                 f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         _require(self.quantization is None or self.quantization in QUANTIZATIONS,
                  f"quantization must be None or one of {', '.join(QUANTIZATIONS)}, "
                  f"got {self.quantization!r}")

@@ -55,17 +55,28 @@ class RequestOutput:
 
 
 class LLM:
-    def __init__(self, model: str | None = None, *, dtype: str = "auto",
-                 quantization: str | None = None, max_model_len: int | None = None,
-                 block_size: int = 16,
-                 num_blocks: int | None = None, kv_cache_memory_bytes: int = 2 << 30,
-                 enable_prefix_caching: bool = True, max_num_batched_tokens: int = 512,
-                 max_num_seqs: int = 64, seed: int | None = None, num_threads: int | None = None):
+    """The defaults are the config dataclasses' (those of `splitserve serve`)."""
+
+    def __init__(self, model: str | None = EngineConfig.model, *,
+                 dtype: str = EngineConfig.dtype,
+                 quantization: str | None = EngineConfig.quantization,
+                 max_model_len: int | None = EngineConfig.max_model_len,
+                 block_size: int = CacheConfig.block_size,
+                 num_blocks: int | None = CacheConfig.num_blocks,
+                 kv_cache_memory_bytes: int = CacheConfig.memory_bytes,
+                 enable_prefix_caching: bool = CacheConfig.enable_prefix_caching,
+                 max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens,
+                 max_num_seqs: int = SchedulerConfig.max_num_seqs,
+                 seed: int | None = EngineConfig.seed,
+                 num_threads: int | None = EngineConfig.num_threads):
         config = EngineConfig(
             model=model, dtype=dtype, quantization=quantization, max_model_len=max_model_len,
             num_threads=num_threads, seed=seed,
-            cache=CacheConfig(block_size, num_blocks, kv_cache_memory_bytes, enable_prefix_caching),
-            scheduler=SchedulerConfig(max_num_batched_tokens, max_num_seqs))
+            cache=CacheConfig(block_size=block_size, num_blocks=num_blocks,
+                              memory_bytes=kv_cache_memory_bytes,
+                              enable_prefix_caching=enable_prefix_caching),
+            scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
+                                      max_num_seqs=max_num_seqs))
         self.engine = EngineCore(config)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()

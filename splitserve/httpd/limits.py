@@ -5,7 +5,9 @@ costing the server without bound (what uvicorn and h11 guard against, and a litt
 from __future__ import annotations
 
 import resource
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
+
+from splitserve.flags import flag
 
 # listen(2) backlog of every HTTP server here, as uvicorn and gunicorn default to
 LISTEN_BACKLOG = 2048
@@ -17,8 +19,11 @@ INTERNAL_ROOM = 16     # connections kept, at least, for the cluster's own traff
 class HTTPLimits:
     keepalive_timeout: float = 75.0   # s a keep-alive connection may wait for its next request
     first_byte_timeout: float = 10.0  # s a new connection may take to send anything
-    head_timeout: float = 30.0        # s a request line and headers may take from first byte
-    body_timeout: float = 60.0        # s a body may take once its head is in (64 MiB: 1.1 MB/s)
+    head_timeout: float = field(default=30.0, metadata=flag(   # from the first byte
+        "--request-head-timeout", "seconds a request line and headers may take before a 408"))
+    body_timeout: float = field(default=60.0, metadata=flag(   # 64 MiB: 1.1 MB/s
+        "--request-body-timeout", "seconds a request body may take once its head is in, "
+                                  "before a 408"))
     send_timeout: float = 60.0        # s a client may read nothing of what we send it
     max_head_bytes: int = 1 << 20     # an unfinished request head; httptools buffers it whole
     max_header_lines: int = 100       # header lines in one request head
@@ -26,8 +31,10 @@ class HTTPLimits:
     max_chunk_overhead: int = 64 << 10  # bytes of a chunked body that are not body: chunk-size
     #                                     lines, extensions and trailers
     max_pipelined: int = 8            # requests queued behind the one being answered
-    max_connections: int = 8192       # clients' open connections (connections.py says who
-    #                                     makes room for one more; the cluster's own come on top)
+    max_connections: int = field(default=8192, metadata=flag(   # connections.py: who makes room
+        "--max-connections", "clients' open connections; past it a new one closes the longest "
+                             "idle one, or is answered 503 when all are busy; the cluster's own "
+                             "connections come on top, within the file descriptor limit"))
     max_unproven_per_client: int = 256  # connections of one address that showed no API key
 
     def __post_init__(self):

@@ -22,6 +22,7 @@ import http.client
 import urllib.request
 
 from splitserve import envs
+from splitserve.config import KVTransferConfig
 from splitserve.listen import local_url, warn_if_open
 from splitserve.model.loader import DEFAULT_MODEL
 from splitserve.orchestrator.app import run_orchestrator
@@ -33,7 +34,7 @@ from splitserve.placement import (ClusterPlan, WorkerPlan, format_cpus, pin_proc
 
 logger = logging.getLogger(__name__)
 
-KV_HOST = "127.0.0.1"   # the workers' KV servers bind and advertise loopback (--kv-host's default)
+KV_HOST = KVTransferConfig.host   # the workers' KV servers bind and advertise (loopback)
 
 
 def worker_command(args, role: str, port: int, cpus: WorkerPlan) -> list[str]:
@@ -136,15 +137,15 @@ def banner(config: ClusterConfig, args) -> str:
 def cluster_config(args, secret_env: dict[str, str]) -> ClusterConfig:
     """The orchestrator's config, with no urls: the workers register (--register) and come
     and go like any others. Warns if it serves beyond loopback with no API key."""
-    limits = {k: getattr(args, k) for k in ("max_in_flight", "first_byte_timeout",
-                                            "idle_timeout") if getattr(args, k) is not None}
     config = ClusterConfig(PoolConfig((), args.ctx_router), PoolConfig((), args.gen_router),
                            host=args.host, port=args.port, processes=args.orchestrators,
                            api_key=tuple(args.api_key or envs.api_keys()),
                            cache_isolation=args.cache_isolation,
                            internal_secret=secret_env["SPLITSERVE_INTERNAL_SECRET"],
                            local_prefill_max_tokens=args.local_prefill_max_tokens,
-                           model=args.model or DEFAULT_MODEL, **limits)
+                           max_in_flight=args.max_in_flight,
+                           first_byte_timeout=args.first_byte_timeout,
+                           idle_timeout=args.idle_timeout, model=args.model or DEFAULT_MODEL)
     warn_if_open("up", config.host, config.api_key)
     return config
 

@@ -1,43 +1,59 @@
 """`splitserve up`'s command line (up.py runs it). Kept apart from up.py so that building
-the parser imports nothing of the orchestrator."""
+the parser imports no more of the orchestrator than the config whose defaults it shows.
+The workers' engine flags are `serve`'s own (splitserve/flags.py), passed on to each."""
 
 from __future__ import annotations
 
+from splitserve.config import EngineConfig
+from splitserve.flags import add_flags
+from splitserve.kv import TRANSPORT_MODULES
+from splitserve.orchestrator.cluster import ClusterConfig
+
+# none moves no KV: a cluster's generation_only output would be garbage (bench frontend only)
+KV_BACKENDS = tuple(b for b in TRANSPORT_MODULES if b != "none")
+
 
 def add_arguments(p) -> None:
-    p.add_argument("--model", default=None)
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    p.add_argument("--host", default="127.0.0.1",
+    add_flags(p, EngineConfig, "--model", "--dtype")
+    p.add_argument("--host", default=ClusterConfig.host,
                    help="address the orchestrator listens on (0.0.0.0: every interface); "
-                        "the workers stay on --worker-host")
+                        "the workers stay on --worker-host (default: %(default)s)")
+    # The workers' own choice, not serve's default: exposing the orchestrator exposes no worker.
     p.add_argument("--worker-host", default="127.0.0.1",
                    help="address the workers listen on (default loopback: only this machine, "
                         "the orchestrator included, reaches them; 0.0.0.0 exposes them too)")
-    p.add_argument("--port", type=int, default=8000, help="orchestrator; workers take the next ports")
+    p.add_argument("--port", type=int, default=ClusterConfig.port,
+                   help="the orchestrator's; workers take the next ports (default: %(default)s)")
     p.add_argument("--num-ctx", type=int, default=1)
     p.add_argument("--num-gen", type=int, default=1)
     p.add_argument("--gen-api-servers", type=int, default=1,
-                     help="front-end processes per GEN worker (serve --api-server-count)")
-    p.add_argument("--orchestrators", type=int, default=1,
-                     help="orchestrator processes serving --port together (SO_REUSEPORT)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads per worker")
-    p.add_argument("--kv-backend", default="tcp", choices=["tcp", "nixl"])
-    p.add_argument("--kv-cache-gib", type=float, default=1.0)
+                   help="front-end processes per GEN worker (serve --api-server-count)")
+    p.add_argument("--orchestrators", type=int, default=ClusterConfig.processes,
+                   help="orchestrator processes serving --port together, SO_REUSEPORT "
+                        "(default: %(default)s)")
+    add_flags(p, EngineConfig, "--threads", "--kv-backend", "--kv-cache-gib",
+              help={"--threads": "torch threads of each worker's engine (default: one per CPU "
+                                 "it gets)",
+                    "--kv-backend": "how KV moves from CTX to GEN workers",
+                    "--kv-cache-gib": "each worker's KV cache size in GiB"},
+              choices={"--kv-backend": KV_BACKENDS})
     p.add_argument("--ctx-router", default="prefix_aware")
     p.add_argument("--gen-router", default="least_loaded")
-    p.add_argument("--local-prefill-max-tokens", type=int, default=0,
-                     help="prompts of at most this many tokens (or all but this many cached "
-                          "on a generation worker) are prefilled there, skipping the context "
-                          "worker and the KV transfer (default 0: off)")
+    p.add_argument("--local-prefill-max-tokens", type=int,
+                   default=ClusterConfig.local_prefill_max_tokens,
+                   help="prompts of at most this many tokens (or all but this many cached "
+                        "on a generation worker) are prefilled there, skipping the context "
+                        "worker and the KV transfer (default %(default)s: off)")
     p.add_argument("--start-timeout", type=float, default=600.0)
-    p.add_argument("--max-in-flight", type=int, default=None,
-                     help="requests served at once; past it, 503 with Retry-After at once "
-                          "(default 4096)")
-    p.add_argument("--first-byte-timeout", type=float, default=None,
-                     help="seconds a worker may take to a CTX answer or a GEN stream's first "
-                          "event (default 600)")
-    p.add_argument("--idle-timeout", type=float, default=None,
-                     help="seconds a GEN stream may go without sending anything (default 120)")
+    p.add_argument("--max-in-flight", type=int, default=ClusterConfig.max_in_flight,
+                   help="requests served at once; past it, 503 with Retry-After at once "
+                        "(default: %(default)s)")
+    p.add_argument("--first-byte-timeout", type=float, default=ClusterConfig.first_byte_timeout,
+                   help="seconds a worker may take to a CTX answer or a GEN stream's first "
+                        "event (default: %(default)s)")
+    p.add_argument("--idle-timeout", type=float, default=ClusterConfig.idle_timeout,
+                   help="seconds a GEN stream may go without sending anything (default: "
+                        "%(default)s)")
     from splitserve.cli import add_api_key_arguments
     add_api_key_arguments(p, "clients must send `Authorization: Bearer <key>` with one of "
                              "these keys to the orchestrator and the workers (default: "

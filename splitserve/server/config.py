@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from splitserve.config import EngineConfig
+from splitserve.flags import flag, flags_within
 from splitserve.httpd.limits import HTTPLimits
 from splitserve.protocol.cache_salt import check_isolation
 from splitserve.trust import new_instance_id
@@ -14,19 +15,31 @@ ROLES = ("agg", "ctx", "gen")
 
 @dataclass(frozen=True)
 class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    role: str = "agg"                      # a deployment label; requests choose what they do
-    served_model_name: str | None = None   # None: the model's own name
-    max_body_bytes: int = 64 << 20         # larger bodies get 413
+    host: str = field(default="127.0.0.1", metadata=flag(
+        "--host", "address the HTTP server listens on, 0.0.0.0: every interface"))
+    port: int = field(default=8000, metadata=flag("--port", "port of the HTTP server"))
+    # A deployment label: what a request does, its own disaggregated_params say.
+    role: str = field(default="agg", metadata=flag(
+        "--role", "the pool --register joins: ctx the context pool, gen and agg the generation "
+                  "pool", choices=ROLES))
+    served_model_name: str | None = field(default=None, metadata=flag(
+        "--served-model-name", "the model's name in /v1/models and in responses (default: "
+                               "the model's own)"))
+    max_body_bytes: int = field(default=64 << 20, metadata=flag(
+        "--max-body-bytes", "larger request bodies get 413"))
     tokenizer_threads: int = 2
     engine_start_timeout: float = 600.0
     # Requests waiting for the engine (submitted, not running) past which new ones get 503 +
     # Retry-After instead of a place in an unbounded queue. Far above what the benchmarks
     # hold (1024 in flight): a bound on memory and latency, not a scheduling knob.
-    max_waiting_requests: int = 4096
-    engine_stall_seconds: float = 60.0     # no engine step this long, holding work: /health 503
-    http: HTTPLimits = field(default_factory=HTTPLimits)   # timeouts, caps (httpd/limits.py)
+    max_waiting_requests: int = field(default=4096, metadata=flag(
+        "--max-waiting-requests", "requests waiting for the engine past which new ones are "
+                                  "refused at once, with 503 and Retry-After"))
+    engine_stall_seconds: float = field(default=60.0, metadata=flag(
+        "--engine-stall-seconds", "/health answers 503 when the engine completed no step for "
+                                  "this long while holding requests; longer than the longest "
+                                  "step"))
+    http: HTTPLimits = field(default_factory=HTTPLimits, metadata=flags_within())  # timeouts, caps
     # Public endpoints need `Authorization: Bearer <key>` with one of these keys when any is
     # set; internal requests (anything carrying disaggregated_params) need the token derived
     # from the internal secret for instance_id (splitserve/trust.py). Never logged.
@@ -36,9 +49,14 @@ class ServerConfig:
     # (protocol/cache_salt.py); api_key: only those of clients with its own key.
     cache_isolation: str = "none"
     engine: EngineConfig = field(default_factory=EngineConfig)
-    # HTTP front-end processes sharing the port and one engine process (server/frontends.py)
-    api_server_count: int = 1
-    register: str | None = None    # an orchestrator's url to register with (registration.py)
+    # server/frontends.py
+    api_server_count: int = field(default=1, metadata=flag(
+        "--api-server-count", "HTTP front-end processes on the port, sharing one engine process",
+        aliases=("--frontends",)))
+    # registration.py
+    register: str | None = field(default=None, metadata=flag(
+        "--register", "join this orchestrator's pools while serving; leave on a clean stop",
+        metavar="ORCH_URL"))
     # This worker's instance id (trust.py): made with the serve process's config, so its
     # front-ends (--api-server-count), which get this config, share it; a restarted worker
     # has a new one.

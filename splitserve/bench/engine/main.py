@@ -23,6 +23,7 @@ import numpy as np
 from splitserve import placement
 from splitserve.kernels import build
 from splitserve.config import CacheConfig, EngineConfig, SchedulerConfig, auto_dtype
+from splitserve.flags import add_flags, from_flags
 from splitserve.protocol.engine import EngineRequest
 from splitserve.sampling_params import SamplingParams
 from splitserve.tokens import PromptTokens
@@ -111,16 +112,19 @@ def place(args) -> None:
         placement.pin_process(args.cpus, "bench engine")
 
 
+def engine_config(args) -> EngineConfig:
+    """The flags' engine, seeded, with no prefix caching (every prefill computes), one whole
+    prefill per step and room for the largest decode batch."""
+    return from_flags(EngineConfig, args, seed=0, cache=CacheConfig(enable_prefix_caching=False),
+                      scheduler=SchedulerConfig(max_num_batched_tokens=args.prefill_len,
+                                                max_num_seqs=max(args.batch_sizes)))
+
+
 def run(args) -> dict:
     # The model's imports (torch) load here, not when `splitserve` builds its command line.
     from splitserve.bench.engine import plain_reference
     from splitserve.engine.core import EngineCore
-    config = EngineConfig(model=args.model, dtype=args.dtype, quantization=args.quantization,
-                          pack_weights=not args.no_pack_weights,
-                          num_threads=args.threads, seed=0,
-                          cache=CacheConfig(enable_prefix_caching=False),
-                          scheduler=SchedulerConfig(max_num_batched_tokens=args.prefill_len,
-                                                    max_num_seqs=max(args.batch_sizes)))
+    config = engine_config(args)
     engine = EngineCore(config)
     import torch
     if (args.helper_cpu is not None and torch.get_num_threads() == 1
@@ -179,15 +183,8 @@ def _load_note(other: float | None) -> str:
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--model", default=None, help="model path or name (default: bundled SmolLM2)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="auto: bfloat16 if the CPU computes it natively, else float32")
-    p.add_argument("--quantization", default=None, choices=["fp16", "int8"],
-                   help="fp16 or int8 (per output channel) weights; see splitserve/model/quant.py")
-    p.add_argument("--no-pack-weights", action="store_true",
-                   help="plain row-major float weights instead of oneDNN's packed layout "
-                        "(see splitserve/model/packed.py), to measure the difference")
-    p.add_argument("--threads", type=int, default=None, help="default: torch's (all cores)")
+    add_flags(p, EngineConfig, "--model", "--dtype", "--quantization", "--no-pack-weights",
+              "--threads", help={"--threads": "torch threads (default: torch's, all cores)"})
     p.add_argument("--cpus", type=placement.cpu_list_argument, default=None,
                    help="pin to these CPUs, e.g. those `serve` logs for its engine")
     p.add_argument("--helper-cpu", type=int, default=None,

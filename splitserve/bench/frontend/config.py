@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from splitserve.config import CacheConfig
+
 MODES = ("list", "b64", "metadata")
 MODES_LIGHT_FIRST = ("metadata", "b64", "list")    # the order a cell's runs go in
 DEFAULT_ISL = (1024, 8192, 32768, 131072)
@@ -28,8 +30,8 @@ class FrontendBenchConfig:
     max_tokens: int = 1                # per request; > 1 holds requests decoding on the worker
     ramp_up: float = 0.0               # seconds over which a run's first requests go out
     think_time: float = 0.0            # mean seconds a connection waits after each answer
-    block_size: int = 16
-    kv_cache_gib: float = 2.0          # the started worker's KV pool
+    block_size: int = CacheConfig.block_size
+    kv_cache_gib: float = 2.0          # the started worker's KV pool (serve's is 1 GiB)
     timeout: float = 120.0             # seconds per request
     progress: bool = True
     frontends: tuple[int, ...] = (1,)  # front-end processes of the started worker, in turn

@@ -164,8 +164,10 @@ def add_arguments(p) -> None:
     p.add_argument("--api-server-counts", type=_ints, default=(1,),
                    help="front-end processes of the started worker (`serve "
                         "--api-server-count`), e.g. 1,2,4: the grid runs for each in turn")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--kv-cache-gib", type=float, default=2.0, help="KV pool of the started worker")
+    p.add_argument("--block-size", type=int, default=FrontendBenchConfig.block_size,
+                   help="of the started worker (default: %(default)s)")
+    p.add_argument("--kv-cache-gib", type=float, default=FrontendBenchConfig.kv_cache_gib,
+                   help="KV pool of the started worker (default: %(default)s)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
     p.add_argument("--json", default=None, help="default: bench-results/frontend-<time>.json")
     p.add_argument("--plot", default=None, help="default: the --json path with .png")
