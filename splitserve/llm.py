@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 from splitserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from splitserve.engine.core import EngineCore
-from splitserve.engine.prompt_digest import salted_root
 from splitserve.errors import InvalidRequestError
+from splitserve.protocol.block_hashes import salted_root
 from splitserve.protocol.cache_salt import check_cache_salt
 from splitserve.protocol.engine import CompletionDelta, EngineRequest, FinishReason, Logprob
 from splitserve.sampling_params import SamplingParams

@@ -11,9 +11,8 @@ import hmac
 import msgspec
 import numpy as np
 
-from splitserve.engine.prompt_digest import chain_hashes
-from splitserve.engine.prompt_digest import prompt_digest
 from splitserve.errors import InvalidRequestError
+from splitserve.protocol.block_hashes import chain_hashes, prompt_digest
 from splitserve.protocol.engine import KVHandle
 from splitserve.sampling_params import SamplingParams
 from splitserve.tokens import PromptTokens
@@ -52,7 +51,7 @@ def check_length_only(params: SamplingParams, remote) -> None:
 def check_relayed_prompt(tokens: np.ndarray, handle: KVHandle, block_size: int,
                          root: bytes = b"") -> list[bytes]:
     """The relayed prompt's full-block hashes (for its prefix caching), once its digest is the
-    one the context worker computed for the KV it leased (engine/prompt_digest.py). root:
+    one the context worker computed for the KV it leased (protocol/block_hashes.py). root:
     the request's salted_root; the context worker's digest was chained from its own, so a
     request whose salt did not reach both workers alike is refused here."""
     param = "disaggregated_params.prompt_token_ids"

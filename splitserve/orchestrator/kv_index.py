@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import binascii
 from dataclasses import dataclass
 
 import aiohttp
@@ -17,10 +16,10 @@ import orjson
 
 from splitserve.orchestrator.cluster import Credentials
 from splitserve.orchestrator.upstream import is_proven
+from splitserve.protocol.block_hashes import split_hashes
 from splitserve.server.kv_blocks import PATH
 from splitserve.trust import INTERNAL_HEADER
 
-HASH_BYTES = 16
 # A worker reports at most 16,384 hashes (engine/kv_report.py): ~350 KB of JSON. More is
 # not a worker of this cluster's: it is ignored.
 MAX_BODY_BYTES = 1 << 20
@@ -91,10 +90,7 @@ def parse_report(body) -> Held | None:
     if not (isinstance(version, str) and isinstance(bs, int) and isinstance(raw, str)):
         return None
     try:
-        data = base64.b64decode(raw, validate=True)
-    except (binascii.Error, ValueError):
+        hashes = split_hashes(base64.b64decode(raw, validate=True))
+    except ValueError:   # not base64 (binascii.Error), or not whole hashes
         return None
-    if len(data) % HASH_BYTES:
-        return None
-    return Held(version, bs, frozenset(data[i:i + HASH_BYTES]
-                                       for i in range(0, len(data), HASH_BYTES)))
+    return Held(version, bs, frozenset(hashes))

@@ -12,8 +12,8 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 
-from splitserve.engine.prompt_digest import chain_hashes
 from splitserve.model.loader import load_model_source
+from splitserve.protocol.block_hashes import chain_hashes
 from splitserve.protocol.openai_requests import ChatCompletionRequest
 
 # A byte-level BPE turns each byte into at most one token; a BOS, and a SentencePiece-style
@@ -94,7 +94,7 @@ class PromptTokenizer:
 
 def block_hashes(ids: np.ndarray, block_sizes, root: bytes = b"") -> dict[int, list[bytes]]:
     """The chained hashes of the prompt's full blocks, per block size, from root (the
-    request's engine/prompt_digest.salted_root: a worker hashes with its salt too). A
+    request's protocol/block_hashes.salted_root: a worker hashes with its salt too). A
     request's last token is always computed (engine/block_manager.find_cached_prefix), so
     its block counts only if another token follows it: the same blocks a worker could reuse."""
     usable = ids[:max(len(ids) - 1, 0)]

@@ -15,8 +15,8 @@ from typing import AsyncIterator
 
 import numpy as np
 
-from splitserve.engine.prompt_digest import salted_root
 from splitserve.httpd import ChunkedStream, Request, Response
+from splitserve.protocol.block_hashes import salted_root
 from splitserve.protocol.disagg import DisaggregatedParams, relayed_handle
 from splitserve.protocol.engine import CompletionDelta, EngineRequest, RequestKind
 from splitserve.protocol.openai import (
