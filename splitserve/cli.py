@@ -271,12 +271,13 @@ def build_parser() -> argparse.ArgumentParser:
     chat.set_defaults(func=_chat)
 
     from splitserve.httpd.limits import HTTPLimits
+    from splitserve.protocol.roles import WORKER_ROLES
     from splitserve.server.config import ServerConfig
     serve = sub.add_parser("serve", help="run one worker: OpenAI HTTP front-end + engine")
     _add_engine_arguments(serve)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--role", default="agg", choices=["agg", "ctx", "gen"])
+    serve.add_argument("--role", default="agg", choices=WORKER_ROLES)
     serve.add_argument("--served-model-name", default=None)
     serve.add_argument("--api-server-count", "--frontends", type=int, default=1,
                        help="HTTP front-end processes on the port, sharing one engine process")

@@ -8,9 +8,8 @@ from typing import NamedTuple
 import yaml
 
 from splitserve.protocol.cache_salt import check_isolation
+from splitserve.protocol.disagg import RELAY_MODES
 from splitserve.trust import api_keys
-
-RELAY_MODES = ("list", "b64", "metadata", "auto")
 
 
 @dataclass(frozen=True)

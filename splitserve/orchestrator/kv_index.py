@@ -17,7 +17,7 @@ import orjson
 from splitserve.orchestrator.cluster import Credentials
 from splitserve.orchestrator.upstream import is_proven
 from splitserve.protocol.block_hashes import split_hashes
-from splitserve.server.kv_blocks import PATH
+from splitserve.protocol.internal_api import KV_BLOCKS_PATH
 from splitserve.trust import INTERNAL_HEADER
 
 # A worker reports at most 16,384 hashes (engine/kv_report.py): ~350 KB of JSON. More is
@@ -67,7 +67,7 @@ class KVIndex:
         known = self.held.get(url)
         params = {"since": known.version} if known else None
         try:
-            async with session.get(url + PATH, params=params, timeout=_TIMEOUT,
+            async with session.get(url + KV_BLOCKS_PATH, params=params, timeout=_TIMEOUT,
                                    headers={INTERNAL_HEADER: creds.token},
                                    allow_redirects=False) as r:
                 # (the worker always sends a Content-Length)

@@ -6,18 +6,15 @@ from __future__ import annotations
 
 from splitserve.engine.admission import check_prompt
 from splitserve.errors import InvalidRequestError
+from splitserve.protocol.disagg import REQUEST_KIND
 from splitserve.protocol.engine import EngineReady, EngineRequest, RemotePrefill, RequestKind
 from splitserve.protocol.logprob_bound import MAX_LOGPROB_ENTRIES, check_generation_logprobs
 from splitserve.sampling_params import SamplingParams
 from splitserve.tokens import PromptTokens
 
-_KINDS = {None: RequestKind.AGGREGATED, "context_only": RequestKind.CONTEXT_ONLY,
-          "generation_only": RequestKind.GENERATION_ONLY}
-
-
 def request_kind(req) -> RequestKind:
     dp = req.disaggregated_params
-    return _KINDS[None if dp is None else dp.request_type]
+    return REQUEST_KIND[None if dp is None else dp.request_type]
 
 
 def engine_requests(req, rid: str, prompts: list[PromptTokens], params: SamplingParams,

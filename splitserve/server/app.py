@@ -20,13 +20,14 @@ from splitserve.httpd.router import NO_BODY, Route, Router
 from splitserve.httpd.server import Admission
 from splitserve.model.loader import load_model_source
 from splitserve.protocol.cache_salt import CacheIsolation, derivation_key
+from splitserve.protocol.internal_api import KV_BLOCKS_PATH
 from splitserve.protocol.openai import error_body, status_error_body
 from splitserve.server.admission import check_message_count, encode_prompt
 from splitserve.server.config import ServerConfig
 from splitserve.server.engine_client import EngineClient, EngineDeadError
 from splitserve.server.engine_link import EngineLink
 from splitserve.server.generate import GenerateHandlers
-from splitserve.server.kv_blocks import PATH as KV_BLOCKS, kv_blocks_response
+from splitserve.server.kv_blocks import kv_blocks_response
 from splitserve.server.metrics import ServerMetrics
 from splitserve.server.registration import Registration
 from splitserve.signals import wait_for_stop_signal
@@ -88,8 +89,8 @@ class WorkerServer:
             "/metrics": Route("GET", self.prometheus, NO_BODY),
             "/tokenize": Route("POST", self.tokenize, body),
             "/detokenize": Route("POST", self.detokenize, body),
-            KV_BLOCKS: Route("GET", functools.partial(kv_blocks_response, gate=self.gate,
-                                                      engine=self.engine), NO_BODY),
+            KV_BLOCKS_PATH: Route("GET", functools.partial(kv_blocks_response, gate=self.gate,
+                                                           engine=self.engine), NO_BODY),
         }, status_error_body)
         self.http = HTTPServer(self.dispatch, body, self.log_prefix, limits=config.http,
                                error_body=status_error_body, check_head=self.check_head)

@@ -7,9 +7,8 @@ from dataclasses import dataclass, field
 from splitserve.config import EngineConfig
 from splitserve.httpd.limits import HTTPLimits
 from splitserve.protocol.cache_salt import check_isolation
+from splitserve.protocol.roles import WORKER_ROLES
 from splitserve.trust import new_instance_id
-
-ROLES = ("agg", "ctx", "gen")
 
 
 @dataclass(frozen=True)
@@ -45,8 +44,8 @@ class ServerConfig:
     instance_id: str = field(default_factory=new_instance_id)
 
     def __post_init__(self):
-        if self.role not in ROLES:
-            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if self.role not in WORKER_ROLES:
+            raise ValueError(f"role must be one of {', '.join(WORKER_ROLES)}, got {self.role!r}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.max_body_bytes < 1024:

@@ -17,8 +17,9 @@ import numpy as np
 
 from splitserve.httpd import ChunkedStream, Request, Response
 from splitserve.protocol.block_hashes import salted_root
-from splitserve.protocol.disagg import DisaggregatedParams, relayed_handle
+from splitserve.protocol.disagg import DisaggregatedParams, ids_comment, relayed_handle
 from splitserve.protocol.engine import CompletionDelta, EngineRequest, RequestKind
+from splitserve.protocol.internal_api import SENT_AT_HEADER
 from splitserve.protocol.openai import (
     DONE, ChatCompletionRequest, CompletionRequest, EchoPrompt, ResponseAccumulator,
     StreamEncoder, decode_chat_request, decode_completion_request, response_id, sse_error)
@@ -175,7 +176,7 @@ class GenerateHandlers:
                     observe(i, delta)
                     chunk = enc.chunk(delta, i)
                     if tag_ids and delta.token_ids:
-                        chunk = token_ids_comment(delta.token_ids) + chunk
+                        chunk = ids_comment(delta.token_ids) + chunk
                     if chunk:
                         await resp.write(chunk)
                     if delta.error is not None:
@@ -301,7 +302,7 @@ def _arrival(request: Request, gate: Gate) -> float:
     last hour: a public client's header, a clock ahead of ours, NaN or inf would skew every
     histogram's sum for good."""
     now = time.time()
-    sent = request.header("X-Sent-At")
+    sent = request.header(SENT_AT_HEADER)
     if not sent or not gate.internal(request.header):
         return now
     try:
@@ -309,11 +310,3 @@ def _arrival(request: Request, gate: Gate) -> float:
     except ValueError:
         return now
     return at if now - SENT_AT_MAX_AGE <= at <= now else now
-
-
-def token_ids_comment(token_ids: list[int]) -> bytes:
-    """An SSE comment naming the tokens of the event after it (stream_token_ids): clients
-    ignore comments; the orchestrator reads and strips them to migrate a broken stream."""
-    return b": ids " + " ".join(map(str, token_ids)).encode() + b"\n\n"
-
-

@@ -1,4 +1,4 @@
-"""GET /internal/kv_blocks: which prefix blocks this worker's engine holds, for the
+"""GET /internal/kv_blocks (protocol/internal_api.py): which prefix blocks this worker's engine holds, for the
 orchestrator's KV-aware router (orchestrator/kv_index.py). Internal: only a request that
 carries this worker's internal token (trust.py) gets an answer; which prompts a worker has
 seen is nobody else's business.
@@ -16,7 +16,6 @@ from splitserve.httpd import Request, Response, json_response
 from splitserve.protocol.openai import error_body
 from splitserve.trust import Gate
 
-PATH = "/internal/kv_blocks"
 _MAX_SINCE = 64     # a version is 8 hex digits, a dash and a counter
 
 
