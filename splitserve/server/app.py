@@ -22,7 +22,8 @@ from splitserve.model.loader import load_model_source
 from splitserve.protocol.cache_salt import CacheIsolation, derivation_key
 from splitserve.protocol.internal_api import KV_BLOCKS_PATH
 from splitserve.protocol.openai import error_body, status_error_body
-from splitserve.server.admission import check_message_count, encode_prompt
+from splitserve.protocol.openai_requests import decode_tokenize_request
+from splitserve.protocol.prompts import chat_prompt, encode_prompt
 from splitserve.server.config import ServerConfig
 from splitserve.server.engine_client import EngineClient, EngineDeadError
 from splitserve.server.engine_link import EngineLink
@@ -45,12 +46,6 @@ class ModelNotFound(InvalidRequestError):
 
 class Overloaded(RuntimeError):
     """More requests wait for the engine than the worker is configured to hold: 503."""
-
-
-class _TokenizeBody(msgspec.Struct):
-    prompt: str | None = None
-    messages: list[dict] | None = None
-    add_special_tokens: bool = True
 
 
 class _DetokenizeBody(msgspec.Struct):
@@ -208,15 +203,10 @@ class WorkerServer:
                         content_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def tokenize(self, request: Request) -> Response:
-        body = _decode(_TokenizeBody, request.body)
+        body = decode_tokenize_request(request.body)
         tok, max_len = self.tokenizer, self.engine.ready.max_model_len
-        if (body.prompt is None) == (body.messages is None):
-            raise InvalidRequestError("send exactly one of prompt or messages", "prompt")
-        if body.messages is not None:
-            check_message_count(len(body.messages), max_len)
-            ids = await self.in_pool(lambda: encode_prompt(
-                tok, tok.apply_chat_template(body.messages), max_len, "messages",
-                add_special_tokens=False))
+        if body.messages is not None:   # as chat completions makes them
+            _, ids = await self.in_pool(lambda: chat_prompt(tok, body, max_len))
         else:
             ids = await self.in_pool(lambda: encode_prompt(tok, body.prompt, max_len, "prompt",
                                                            body.add_special_tokens))

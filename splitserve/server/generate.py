@@ -23,9 +23,9 @@ from splitserve.protocol.internal_api import SENT_AT_HEADER
 from splitserve.protocol.openai import (
     DONE, ChatCompletionRequest, CompletionRequest, EchoPrompt, ResponseAccumulator,
     StreamEncoder, decode_chat_request, decode_completion_request, response_id, sse_error)
+from splitserve.protocol.prompts import chat_prompt, encode_prompt
 from splitserve.server.admission import (
-    check_message_count, encode_prompt, engine_requests, logprob_entries, relay_fields,
-    relayed_prompt, request_kind)
+    engine_requests, logprob_entries, relay_fields, relayed_prompt, request_kind)
 from splitserve.server.engine_client import EngineDeadError
 from splitserve.tokens import PromptTokens
 from splitserve.trust import Gate, NotInternal
@@ -92,14 +92,7 @@ class GenerateHandlers:
             self.server.metrics.token_relay.labels(mode).inc()
             return await self._respond(request, req, prompts, params, (), arrival, remote)
         tok, max_len = self.server.tokenizer, self.server.engine.ready.max_model_len
-        check_message_count(len(req.messages), max_len)
-        kwargs = req.chat_template_kwargs or {}
-
-        def render() -> PromptTokens:
-            text = tok.apply_chat_template(req.conversation(),
-                                           add_generation_prompt=req.add_generation_prompt, **kwargs)
-            return encode_prompt(tok, text, max_len, "messages", add_special_tokens=False)
-        prompt = await self.server.in_pool(render)
+        _, prompt = await self.server.in_pool(lambda: chat_prompt(tok, req, max_len))
         return await self._respond(request, req, [prompt], params, (), arrival)
 
     def _internal_only(self, request: Request, req) -> None:
