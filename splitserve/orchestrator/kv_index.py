@@ -8,7 +8,6 @@ chooses where a request goes; the worker finds its own prefix hits)."""
 from __future__ import annotations
 
 import asyncio
-import base64
 from dataclasses import dataclass
 
 import aiohttp
@@ -16,8 +15,7 @@ import orjson
 
 from splitserve.orchestrator.cluster import Credentials
 from splitserve.orchestrator.upstream import is_proven
-from splitserve.protocol.block_hashes import split_hashes
-from splitserve.protocol.internal_api import KV_BLOCKS_PATH
+from splitserve.protocol.internal_api import KV_BLOCKS_PATH, read_kv_blocks
 from splitserve.trust import INTERNAL_HEADER
 
 # A worker reports at most 16,384 hashes (engine/kv_report.py): ~350 KB of JSON. More is
@@ -84,13 +82,5 @@ class KVIndex:
 
 def parse_report(body) -> Held | None:
     """A Held from a /internal/kv_blocks body; None for `unchanged` or anything malformed."""
-    if not isinstance(body, dict) or body.get("unchanged") is True:
-        return None
-    version, bs, raw = body.get("version"), body.get("block_size"), body.get("hashes")
-    if not (isinstance(version, str) and isinstance(bs, int) and isinstance(raw, str)):
-        return None
-    try:
-        hashes = split_hashes(base64.b64decode(raw, validate=True))
-    except ValueError:   # not base64 (binascii.Error), or not whole hashes
-        return None
-    return Held(version, bs, frozenset(hashes))
+    read = read_kv_blocks(body)
+    return None if read is None else Held(read[0], read[1], frozenset(read[2]))
