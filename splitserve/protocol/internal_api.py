@@ -10,6 +10,8 @@ with how they are derived.
     POST WORKERS_PATH          Registration: join an orchestrator's pools or renew the lease
     POST WORKERS_REMOVE_PATH   Removal: leave them (server/registration.py sends both;
                                orchestrator/registry.py serves them)
+    GET  /health               a worker's "load" (load_body), read by the orchestrator's
+                               health checks and load polls (reported_load)
 """
 
 from __future__ import annotations
@@ -65,4 +67,21 @@ def read_kv_blocks(body) -> tuple[str, int, list[bytes]] | None:
     try:
         return version, block_size, split_hashes(base64.b64decode(raw, validate=True))
     except ValueError:   # not base64 (binascii.Error), or not whole hashes
+        return None
+
+
+def load_body(running: int, waiting: int, in_flight: int, kv_usage: float) -> dict:
+    """A worker's /health "load": its engine's running and waiting requests and KV use
+    (engine-wide), and the generation requests open on its front-ends."""
+    return {"running": running, "waiting": waiting, "in_flight": in_flight,
+            "kv_usage": kv_usage}
+
+
+def reported_load(load) -> int | None:
+    """The requests a load_body says the worker holds: max(running + waiting, in_flight),
+    as in_flight also counts those not yet submitted to the engine. None unless load is
+    well-formed."""
+    try:
+        return max(int(load["running"]) + int(load["waiting"]), int(load["in_flight"]))
+    except (KeyError, TypeError, ValueError):
         return None

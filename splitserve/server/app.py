@@ -20,7 +20,7 @@ from splitserve.httpd.router import NO_BODY, Route, Router
 from splitserve.httpd.server import Admission
 from splitserve.model.loader import load_model_source
 from splitserve.protocol.cache_salt import CacheIsolation, derivation_key
-from splitserve.protocol.internal_api import KV_BLOCKS_PATH
+from splitserve.protocol.internal_api import KV_BLOCKS_PATH, load_body
 from splitserve.protocol.openai import error_body, status_error_body
 from splitserve.protocol.openai_requests import decode_tokenize_request
 from splitserve.protocol.prompts import chat_prompt, encode_prompt
@@ -190,9 +190,9 @@ class WorkerServer:
         arrival, and the other front-ends' (--api-server-count) as they last reported."""
         engine = self.engine
         stats, total = engine.stats, engine.stats.kv_blocks_total
-        return {"running": stats.num_running, "waiting": stats.num_waiting,
-                "in_flight": self.handlers.in_flight + engine.peers_in_flight(),
-                "kv_usage": stats.kv_blocks_used / total if total else 0.0}
+        return load_body(stats.num_running, stats.num_waiting,
+                         self.handlers.in_flight + engine.peers_in_flight(),
+                         stats.kv_blocks_used / total if total else 0.0)
 
     async def prometheus(self, request: Request) -> Response:
         self.metrics.update_engine(self.engine.stats)
