@@ -7,10 +7,12 @@ from dataclasses import dataclass, field
 
 from splitserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from splitserve.engine.core import EngineCore
-from splitserve.engine.prompt_digest import salted_root
 from splitserve.errors import InvalidRequestError
+from splitserve.protocol.block_hashes import salted_root
 from splitserve.protocol.cache_salt import check_cache_salt
 from splitserve.protocol.engine import CompletionDelta, EngineRequest, FinishReason, Logprob
+from splitserve.protocol.openai_requests import convert_chat_request
+from splitserve.protocol.prompts import chat_prompt
 from splitserve.sampling_params import SamplingParams
 from splitserve.tokens import PromptTokens
 
@@ -98,14 +100,18 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | None = None, add_generation_prompt: bool = True,
-             *, cache_salt: str | None = None) -> list[RequestOutput]:
+             *, chat_template_kwargs: dict | None = None,
+             cache_salt: str | None = None) -> list[RequestOutput]:
+        """messages: one conversation or a list of them, each rendered into its prompt as
+        /v1/chat/completions renders a request of the same fields (protocol/prompts.py)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.apply_chat_template(m, add_generation_prompt=add_generation_prompt)
-                   for m in conversations]
-        tokens = [PromptTokens(self.tokenizer.encode(p, add_special_tokens=False)) for p in prompts]
+        prompts = [chat_prompt(self.tokenizer, convert_chat_request(
+            {"messages": m, "add_generation_prompt": add_generation_prompt,
+             "chat_template_kwargs": chat_template_kwargs}), self.engine.max_model_len)
+            for m in conversations]
         root = _root(cache_salt)
         results = [self._add(t, sampling_params or SamplingParams(), root, text=p)
-                   for t, p in zip(tokens, prompts)]
+                   for p, t in prompts]
         return self._run(results)
 
     def _add(self, prompt, params: SamplingParams, root: bytes,

@@ -6,10 +6,9 @@ import numpy as np
 import pytest
 
 from splitserve.config import CacheConfig, EngineConfig, KVTransferConfig, SchedulerConfig
-from splitserve.engine.block_manager import chain_hashes
 from splitserve.engine.core import EngineCore
-from splitserve.engine.prompt_digest import prompt_digest
 from splitserve.engine.request import FinishReason
+from splitserve.protocol.block_hashes import chain_hashes, prompt_digest
 from splitserve.sampling_params import SamplingParams
 from splitserve.tokens import PromptTokens
 from engine_requests import add_request

@@ -14,8 +14,8 @@ import numpy as np
 
 from splitserve.engine.admission import check_relayed_prompt
 from splitserve.engine.block_manager import BlockManager
-from splitserve.engine.prompt_digest import chain_hash
 from splitserve.engine.request import Request
+from splitserve.protocol.block_hashes import chain_hash
 from splitserve.protocol.engine import KVHandle
 from splitserve.sampling_params import SamplingParams
 from splitserve.tokens import PromptTokens

@@ -2,8 +2,8 @@ import numpy as np
 import pytest
 
 from splitserve.engine.block_manager import BlockManager
-from splitserve.engine.prompt_digest import chain_hash
 from splitserve.engine.request import Request
+from splitserve.protocol.block_hashes import chain_hash
 from splitserve.sampling_params import SamplingParams
 from splitserve.tokens import PromptTokens
 

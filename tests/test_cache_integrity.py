@@ -7,10 +7,9 @@ import numpy as np
 import pytest
 
 from splitserve.engine.block_manager import BlockManager
-from splitserve.engine.prompt_digest import chain_hash, chain_hashes
-from splitserve.engine.prompt_digest import prompt_digest
 from splitserve.engine.request import FinishReason, Request
 from splitserve.errors import InvalidRequestError
+from splitserve.protocol.block_hashes import chain_hash, chain_hashes, prompt_digest
 from splitserve.protocol.engine import RemotePrefill
 from splitserve.sampling_params import SamplingParams
 from splitserve.tokens import PromptTokens

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from splitserve.engine.block_manager import BlockManager
-from splitserve.engine.prompt_digest import chain_hashes, digest_of_tokens, salted_root
 from splitserve.engine.request import Request
 from splitserve.errors import InvalidRequestError
+from splitserve.protocol.block_hashes import chain_hashes, digest_of_tokens, salted_root
 from splitserve.protocol.cache_salt import CacheIsolation
 from splitserve.protocol.engine import RemotePrefill
 from splitserve.sampling_params import SamplingParams

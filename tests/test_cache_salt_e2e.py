@@ -9,10 +9,10 @@ import pytest
 
 from server_utils import (TEST_SECRET, Orchestrator, Worker, call, internal, metrics, post,
                           wait_for)
-from splitserve.engine.prompt_digest import chain_hashes, salted_root
 from splitserve.orchestrator import relay
 from splitserve.orchestrator.cluster import Server
 from splitserve.orchestrator.routers import rendezvous
+from splitserve.protocol.block_hashes import chain_hashes, salted_root
 from splitserve.protocol.cache_salt import CacheIsolation
 
 MODEL = ("--model", "tiny-random", "--dtype", "float32")

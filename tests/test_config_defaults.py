@@ -20,7 +20,8 @@ from splitserve.listen import local_url
 from splitserve.orchestrator.cluster import ClusterConfig, PoolConfig
 from splitserve.orchestrator.up import cluster_config, worker_command
 from splitserve.placement import WorkerPlan
-from splitserve.server.config import ROLES, ServerConfig
+from splitserve.protocol.roles import WORKER_ROLES as ROLES
+from splitserve.server.config import ServerConfig
 
 ENGINE_COMMANDS = [("serve",), ("up",), ("bench", "engine"), ("chat",)]
 ARGS = {("chat",): ["hi"]}   # positional arguments a command needs

@@ -4,7 +4,7 @@ import time
 
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.kv_report import CacheReporter
-from splitserve.engine.prompt_digest import chain_hashes
+from splitserve.protocol.block_hashes import chain_hashes
 from splitserve.tokens import PromptTokens
 from test_block_manager import computed
 

@@ -5,13 +5,13 @@ import asyncio
 import numpy as np
 import pytest
 
-from splitserve.engine.prompt_digest import chain_hashes
 from splitserve.model.loader import load_model_source
 from splitserve.orchestrator.cluster import ClusterConfig, Server
 from splitserve.orchestrator.decide import Decider
 from splitserve.orchestrator.kv_index import Held
 from splitserve.orchestrator.metrics import OrchestratorMetrics
 from splitserve.orchestrator.prompt_tokens import PromptTokenizer, text_bound
+from splitserve.protocol.block_hashes import chain_hashes
 
 TEXTS = ["", "a", "Hello, world!", "héllo wörld " * 20, "日本語のテキスト" * 30, "🙂🚀" * 40,
          "   spaces   and\ttabs\n\n", "<|im_start|>user\nhi<|im_end|>" * 5]

@@ -5,7 +5,6 @@ import base64
 import numpy as np
 import pytest
 
-from splitserve.engine.prompt_digest import chain_hashes
 from splitserve.errors import InvalidRequestError
 from splitserve.orchestrator.cluster import Server
 from splitserve.orchestrator.decide import MAX_SESSION_CHARS, session_id
@@ -14,6 +13,7 @@ from splitserve.orchestrator.prompt_tokens import block_hashes
 from splitserve.orchestrator.routers import (
     ROUTERS, KVAware, LeastLoaded, PrefixAware, RequestInfo, RoundRobin, SessionAffinity,
     make_router, rendezvous, route)
+from splitserve.protocol.block_hashes import chain_hashes
 
 BS = 4
 

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from server_utils import Orchestrator, Worker, call, internal, metrics, post, wait_for
-from splitserve.engine.prompt_digest import chain_hashes
 from splitserve.orchestrator import relay
 from splitserve.orchestrator.cluster import Server
 from splitserve.orchestrator.routers import rendezvous
+from splitserve.protocol.block_hashes import chain_hashes
 
 MODEL = ("--model", "tiny-random", "--dtype", "float32")
 THRESHOLD = 32

@@ -1,8 +1,7 @@
 """What a request must satisfy before the engine takes it: each check raises
-InvalidRequestError naming the parameter, so the front-end answers 400.
-
-Free of torch: the worker's front-end runs check_prompt too (server/admission.py), before
-a stream's head leaves."""
+InvalidRequestError naming the parameter, so the front-end answers 400. The prompt's own
+check (protocol/prompts.check_prompt) is shared with the worker's front-end, which runs it
+before a stream's head leaves."""
 
 from __future__ import annotations
 
@@ -11,31 +10,11 @@ import hmac
 import msgspec
 import numpy as np
 
-from splitserve.engine.prompt_digest import chain_hashes
-from splitserve.engine.prompt_digest import prompt_digest
 from splitserve.errors import InvalidRequestError
+from splitserve.protocol.block_hashes import chain_hashes, prompt_digest
 from splitserve.protocol.engine import KVHandle
 from splitserve.sampling_params import SamplingParams
 from splitserve.tokens import PromptTokens
-
-
-def check_prompt(prompt: PromptTokens, params: SamplingParams, vocab_size: int,
-                 max_model_len: int) -> None:
-    """Not empty, room for one generated token, token ids of the vocabulary (params' too)."""
-    n = len(prompt)
-    if n == 0:
-        raise InvalidRequestError("the prompt is empty", "prompt")
-    if n >= max_model_len:
-        raise InvalidRequestError(
-            f"the prompt has {n} tokens; this model's context is {max_model_len} tokens "
-            f"including at least one generated token", "prompt")
-    if not prompt.is_placeholder:
-        lo, hi = int(prompt.array.min()), int(prompt.array.max())
-        if lo < 0 or hi >= vocab_size:
-            bad = lo if lo < 0 else hi
-            raise InvalidRequestError(f"prompt token id {bad} is outside the vocabulary "
-                                      f"[0, {vocab_size})", "prompt")
-    params.check_vocab(vocab_size)
 
 
 def check_length_only(params: SamplingParams, remote) -> None:
@@ -52,7 +31,7 @@ def check_length_only(params: SamplingParams, remote) -> None:
 def check_relayed_prompt(tokens: np.ndarray, handle: KVHandle, block_size: int,
                          root: bytes = b"") -> list[bytes]:
     """The relayed prompt's full-block hashes (for its prefix caching), once its digest is the
-    one the context worker computed for the KV it leased (engine/prompt_digest.py). root:
+    one the context worker computed for the KV it leased (protocol/block_hashes.py). root:
     the request's salted_root; the context worker's digest was chained from its own, so a
     request whose salt did not reach both workers alike is refused here."""
     param = "disaggregated_params.prompt_token_ids"

@@ -15,8 +15,8 @@ import itertools
 import numpy as np
 
 from splitserve.engine.free_block_queue import FreeBlockQueue
-from splitserve.engine.prompt_digest import chain_hashes, prompt_digest
 from splitserve.engine.request import NO_BLOCKS, Request
+from splitserve.protocol.block_hashes import chain_hashes, prompt_digest
 
 
 def _extended(held: np.ndarray, more: np.ndarray) -> np.ndarray:
@@ -68,7 +68,7 @@ class BlockManager:
         return req.block_hashes[:req.num_prompt_tokens // self.block_size]
 
     def prompt_digest(self, req: Request) -> str:
-        """engine/prompt_digest.py's digest of req's prompt, from its block hashes."""
+        """protocol/block_hashes.py's digest of req's prompt, from its block hashes."""
         return prompt_digest(req.prompt.array, self.block_size, self.prompt_hashes(req),
                              req.hash_root)
 

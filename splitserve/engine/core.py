@@ -14,8 +14,8 @@ import torch
 
 from splitserve.config import EngineConfig
 from splitserve.engine.block_manager import BlockManager
-from splitserve.engine.admission import (check_length_only, check_prompt,
-                                         check_relayed_prompt, check_resumed, sibling_params)
+from splitserve.engine.admission import (check_length_only, check_relayed_prompt,
+                                         check_resumed, sibling_params)
 from splitserve.engine.failures import FailureHandling
 from splitserve.engine.output import OutputBuilder
 from splitserve.engine.disagg import RemoteKV
@@ -28,6 +28,7 @@ from splitserve.errors import InvalidRequestError
 from splitserve.model.llama import build_model
 from splitserve.model.loader import ModelSource, load_model_source
 from splitserve.protocol.engine import CompletionDelta, EngineRequest
+from splitserve.protocol.prompts import check_prompt
 from splitserve.tokens import PromptTokens
 
 logger = logging.getLogger(__name__)

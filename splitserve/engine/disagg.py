@@ -23,7 +23,8 @@ from splitserve.errors import InvalidRequestError
 from splitserve.kv.base import PullResult, layout_fingerprint, make_transport
 from splitserve.kv.peers import KVPeers
 from splitserve.kv.sockets import valid_endpoint
-from splitserve.protocol.engine import HASH_BYTES, KVHandle, RemotePrefill
+from splitserve.protocol.block_hashes import HASH_BYTES, split_hashes
+from splitserve.protocol.engine import KVHandle, RemotePrefill
 from splitserve.tokens import PromptTokens
 
 logger = logging.getLogger(__name__)
@@ -124,7 +125,7 @@ class RemoteKV:
                 f"the KV handle carries {len(raw) // HASH_BYTES} block hashes; a prompt of "
                 f"{prompt_len} tokens has {prompt_len // bs} full blocks of {bs} tokens",
                 "disaggregated_params.kv_handle")
-        return [raw[i:i + HASH_BYTES] for i in range(0, len(raw), HASH_BYTES)]
+        return split_hashes(raw)
 
     def start_pull(self, req: Request) -> None:
         """Pulls the prompt's blocks that the prefix cache did not give it (the first

@@ -29,7 +29,7 @@ class Lease:
     num_tokens: int
     expires_at: float
     token: str
-    digest: str = ""          # engine/prompt_digest.py's digest of the leased prompt
+    digest: str = ""          # protocol/block_hashes.py's digest of the leased prompt
     tokens: np.ndarray | None = None   # the prompt's int32 ids (read-only), for GENs that ask
     sending: bool = field(default=False)
 

@@ -69,7 +69,7 @@ class Request:
         its not-yet-forked `siblings`, which wait for it. block_hashes: a relayed prompt's,
         verified against its KV handle. resumed: output streamed by another worker before a
         migration: it counts as this sequence's output. hash_root: where its chained block
-        hashes start (engine/prompt_digest.salted_root of its cache_salt; b"": none)."""
+        hashes start (protocol/block_hashes.salted_root of its cache_salt; b"": none)."""
         self.request_id = request_id
         self.prompt = prompt
         self.params = params

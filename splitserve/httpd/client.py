@@ -23,7 +23,10 @@ import time
 from urllib.parse import urlsplit
 
 from splitserve import envs
+from splitserve.protocol.internal_api import SENT_AT_HEADER
 from splitserve.trust import CHALLENGE_HEADER, IDENTITY_HEADER, INTERNAL_HEADER, Keys, new_challenge
+
+_SENT_AT = SENT_AT_HEADER.encode()
 
 
 class HTTPConnection:
@@ -77,9 +80,9 @@ class HTTPConnection:
                         content_type: bytes) -> tuple[int, bytes, float, dict]:
         sent_at = time.time()
         self.writer.write(b"%s %s HTTP/1.1\r\nHost: %s\r\nContent-Type: %s\r\n"
-                          b"Content-Length: %d\r\n%sX-Sent-At: %r\r\n\r\n"
+                          b"Content-Length: %d\r\n%s%s: %r\r\n\r\n"
                           % (method, path.encode(), self.host, content_type, len(body),
-                             self.extra, sent_at))
+                             self.extra, _SENT_AT, sent_at))
         self.writer.write(body)
         try:
             await self.writer.drain()

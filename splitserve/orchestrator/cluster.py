@@ -8,9 +8,9 @@ from typing import NamedTuple
 import yaml
 
 from splitserve.protocol.cache_salt import check_isolation
+from splitserve.protocol.disagg import RELAY_MODES
+from splitserve.protocol.internal_api import reported_load
 from splitserve.trust import api_keys
-
-RELAY_MODES = ("list", "b64", "metadata", "auto")
 
 
 @dataclass(frozen=True)
@@ -139,10 +139,11 @@ class Server:
     have finished (so: reported + in_flight now - in_flight at the report), and never less
     than this orchestrator's own in-flight count. Before any report: that count alone.
 
-    The report is max(running + waiting, in_flight): running and waiting are the engine's,
-    so they count every front-end process of the worker and every orchestrator's requests;
-    in_flight (the answering front-end's open generation requests) also counts those not
-    in the engine yet (tokenizing, queued on the ZeroMQ socket).
+    The report is internal_api.reported_load: max(running + waiting, in_flight). Running
+    and waiting are the engine's, so they count every front-end process of the worker and
+    every orchestrator's requests; in_flight (the answering front-end's open generation
+    requests) also counts those not in the engine yet (tokenizing, queued on the ZeroMQ
+    socket).
 
     healthy: routed to. Only after a health check verified the worker's identity (creds)
     and found it serving; cleared, with creds, when it fails or refuses a request."""
@@ -165,8 +166,7 @@ class Server:
 
     def report(self, load) -> None:
         """load: a worker's /health "load" object; ignored unless it is well-formed."""
-        try:
-            reported = max(int(load["running"]) + int(load["waiting"]), int(load["in_flight"]))
-        except (KeyError, TypeError, ValueError):
+        reported = reported_load(load)
+        if reported is None:
             return
         self.reported, self._in_flight_at_report = reported, self.in_flight

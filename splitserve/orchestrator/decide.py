@@ -21,7 +21,6 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from splitserve.engine.prompt_digest import salted_root
 from splitserve.errors import InvalidRequestError
 from splitserve.metrics import Counter, Gauge
 from splitserve.orchestrator import relay
@@ -29,6 +28,7 @@ from splitserve.orchestrator.cluster import ClusterConfig, Server
 from splitserve.orchestrator.kv_index import KVIndex
 from splitserve.orchestrator.prompt_tokens import PromptTokenizer, block_hashes
 from splitserve.orchestrator.routers import RequestInfo, uses_kv_index
+from splitserve.protocol.block_hashes import salted_root
 
 SESSION_HEADER = "X-Session-Id"
 MAX_SESSION_CHARS = 256

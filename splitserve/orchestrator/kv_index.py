@@ -8,8 +8,6 @@ chooses where a request goes; the worker finds its own prefix hits)."""
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 from dataclasses import dataclass
 
 import aiohttp
@@ -17,10 +15,9 @@ import orjson
 
 from splitserve.orchestrator.cluster import Credentials
 from splitserve.orchestrator.upstream import is_proven
-from splitserve.server.kv_blocks import PATH
+from splitserve.protocol.internal_api import KV_BLOCKS_PATH, read_kv_blocks
 from splitserve.trust import INTERNAL_HEADER
 
-HASH_BYTES = 16
 # A worker reports at most 16,384 hashes (engine/kv_report.py): ~350 KB of JSON. More is
 # not a worker of this cluster's: it is ignored.
 MAX_BODY_BYTES = 1 << 20
@@ -68,7 +65,7 @@ class KVIndex:
         known = self.held.get(url)
         params = {"since": known.version} if known else None
         try:
-            async with session.get(url + PATH, params=params, timeout=_TIMEOUT,
+            async with session.get(url + KV_BLOCKS_PATH, params=params, timeout=_TIMEOUT,
                                    headers={INTERNAL_HEADER: creds.token},
                                    allow_redirects=False) as r:
                 # (the worker always sends a Content-Length)
@@ -85,16 +82,5 @@ class KVIndex:
 
 def parse_report(body) -> Held | None:
     """A Held from a /internal/kv_blocks body; None for `unchanged` or anything malformed."""
-    if not isinstance(body, dict) or body.get("unchanged") is True:
-        return None
-    version, bs, raw = body.get("version"), body.get("block_size"), body.get("hashes")
-    if not (isinstance(version, str) and isinstance(bs, int) and isinstance(raw, str)):
-        return None
-    try:
-        data = base64.b64decode(raw, validate=True)
-    except (binascii.Error, ValueError):
-        return None
-    if len(data) % HASH_BYTES:
-        return None
-    return Held(version, bs, frozenset(data[i:i + HASH_BYTES]
-                                       for i in range(0, len(data), HASH_BYTES)))
+    read = read_kv_blocks(body)
+    return None if read is None else Held(read[0], read[1], frozenset(read[2]))

@@ -2,10 +2,11 @@
 which continues the response after the tokens the client already has.
 
 The orchestrator asks GEN to tag each SSE event with its token ids (`stream_token_ids`: a
-comment line `: ids 1 2 3` before the event). `StreamTap` strips those comments from what
-reaches the client and keeps the ids. When the stream breaks, `resume_body` is the client's
-original request plus `resume_token_ids`: a worker recomputes prompt + those tokens (as after
-a preemption) and samples on from there, so greedy output equals an uninterrupted run.
+comment line `: ids 1 2 3` before the event; protocol/disagg.py writes and reads it).
+`StreamTap` strips those comments from what reaches the client and keeps the ids. When the
+stream breaks, `resume_body` is the client's original request plus `resume_token_ids`: a
+worker recomputes prompt + those tokens (as after a preemption) and samples on from there, so
+greedy output equals an uninterrupted run.
 `Continuation` makes the new worker's events look like the rest of the first stream: same
 response id and created time, no second role chunk, usage counting every token.
 
@@ -20,10 +21,10 @@ import logging
 import orjson
 
 from splitserve.orchestrator import stream, upstream
+from splitserve.protocol.disagg import IDS_COMMENT, comment_ids
 
 logger = logging.getLogger(__name__)
 
-IDS = b": ids "
 DONE = b"data: [DONE]"
 
 
@@ -61,15 +62,15 @@ class StreamTap:
         return self._whole(whole)
 
     def _whole(self, whole: bytes) -> bytes:
-        if IDS not in whole and self.first_event is not None:
+        if IDS_COMMENT not in whole and self.first_event is not None:
             self._note(whole)
             return whole
         kept = [e for e in whole[:-2].split(b"\n\n") if self._keep(e)]
         return b"".join(e + b"\n\n" for e in kept)
 
     def _keep(self, event: bytes) -> bool:
-        if event.startswith(IDS):
-            self.token_ids += map(int, event[len(IDS):].split())
+        if event.startswith(IDS_COMMENT):
+            self.token_ids += comment_ids(event)
             return False
         if self.first_event is None and event.startswith(b"data: {"):
             self.first_event = event

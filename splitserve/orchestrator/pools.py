@@ -19,11 +19,10 @@ from splitserve.orchestrator.probes import PROBE, PROBE_MAX_BYTES, Probes
 from splitserve.orchestrator.relay import UpstreamError
 from splitserve.orchestrator.routers import RequestInfo, make_router, route
 from splitserve.orchestrator.upstream import Retry
+from splitserve.protocol.roles import REGISTERED_ROLE
 from splitserve.trust import INTERNAL_HEADER, Keys
 
 logger = logging.getLogger(__name__)
-
-ROLE = {"ctx": "context", "gen": "generation"}
 
 
 class Pool:
@@ -33,6 +32,7 @@ class Pool:
 
     def __init__(self, name: str, urls, router: str, on_down=lambda pool, server: None):
         self.name, self.on_down = name, on_down
+        self.role = REGISTERED_ROLE[name]   # what its workers register as (and are called)
         self.servers = [Server(u.rstrip("/")) for u in urls]
         self.router = make_router(router)
 
@@ -84,7 +84,7 @@ class Tries:
         if server is None and await self.probes.settle(pool):
             server = pool.pick(info, self.failed[pool.name])
         if server is None:
-            raise UpstreamError(f"no {ROLE[pool.name]} worker is available; retry later")
+            raise UpstreamError(f"no {pool.role} worker is available; retry later")
         return server
 
     def failed_on(self, pool: Pool, server: Server, exc: Retry) -> None:
@@ -96,7 +96,7 @@ class Tries:
         if len(failed) > self.max_retries:
             logger.warning("orch: %s server %s failed (%s); giving up after %d tries",
                            pool.name, server.url, exc, len(failed))
-            raise UpstreamError(f"no {ROLE[pool.name]} worker could serve this request "
+            raise UpstreamError(f"no {pool.role} worker could serve this request "
                                 f"({len(failed)} tries failed); retry later")
         logger.warning("orch: %s server %s failed (%s); trying again", pool.name, server.url, exc)
         self.metric.labels(pool.name, exc.reason).inc()
@@ -172,7 +172,7 @@ class Pools:
                     gen_data = None
             except upstream.TimedOut:
                 raise UpstreamError(
-                    f"the {ROLE[pool.name]} worker did not answer within "
+                    f"the {pool.role} worker did not answer within "
                     f"{self.config.first_byte_timeout:g} s", 504, None) from None
 
     def _migration(self, path: str, body: dict, info: RequestInfo, avoid: list):
@@ -223,7 +223,7 @@ class Pools:
         """The registry's members (orchestrator/registry.py) join or leave the pools; those
         that join are checked at once."""
         for pool in (self.ctx, self.gen):
-            for server in pool.sync(m["url"] for m in members if m["role"] == ROLE[pool.name]):
+            for server in pool.sync(m["url"] for m in members if m["role"] == pool.role):
                 self.probes.recheck(pool, server)
 
     def credentials(self, instance: str) -> Credentials:

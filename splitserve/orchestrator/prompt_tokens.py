@@ -9,12 +9,12 @@ model): without one, only the bound is known and chat prompts are not counted at
 
 from __future__ import annotations
 
-import msgspec
 import numpy as np
 
-from splitserve.engine.prompt_digest import chain_hashes
 from splitserve.model.loader import load_model_source
-from splitserve.protocol.openai_requests import ChatCompletionRequest
+from splitserve.protocol.block_hashes import chain_hashes
+from splitserve.protocol.openai_requests import convert_chat_request
+from splitserve.protocol.prompts import chat_prompt, encode_prompt
 
 # A byte-level BPE turns each byte into at most one token; a BOS, and a SentencePiece-style
 # leading-space piece, may add one each: a text prompt of B bytes is at most B + 2 tokens.
@@ -69,32 +69,18 @@ class PromptTokenizer:
             if self.tokenizer is None:
                 return None
             if isinstance(prompt, str):
-                return self._encode(prompt, True)
+                return encode_prompt(self.tokenizer, prompt, self.max_tokens, "prompt").array
             if "messages" not in body or "prompt" in body:
                 return None
-            return self._chat_ids(body)
-        except Exception:   # bad ids, a template that raises: the worker's 400 says why
-            return None
-
-    def _chat_ids(self, body: dict) -> np.ndarray | None:
-        if len(body["messages"]) > self.max_tokens:   # (each message renders a token at least)
-            return None
-        req = msgspec.convert({k: body[k] for k in _CHAT_FIELDS if k in body},
-                              ChatCompletionRequest)
-        text = self.tokenizer.apply_chat_template(
-            req.conversation(), add_generation_prompt=req.add_generation_prompt,
-            **(req.chat_template_kwargs or {}))
-        return self._encode(text, False)
-
-    def _encode(self, text: str, add_special_tokens: bool) -> np.ndarray | None:
-        if self.tokenizer.surely_too_long(text, self.max_tokens):
-            return None
-        return self.tokenizer.encode(text, add_special_tokens)
+            chat = convert_chat_request({k: body[k] for k in _CHAT_FIELDS if k in body})
+            return chat_prompt(self.tokenizer, chat, self.max_tokens)[1].array
+        except Exception:   # bad ids, a template that raises, a text past any context: the
+            return None     # worker's 400 says why
 
 
 def block_hashes(ids: np.ndarray, block_sizes, root: bytes = b"") -> dict[int, list[bytes]]:
     """The chained hashes of the prompt's full blocks, per block size, from root (the
-    request's engine/prompt_digest.salted_root: a worker hashes with its salt too). A
+    request's protocol/block_hashes.salted_root: a worker hashes with its salt too). A
     request's last token is always computed (engine/block_manager.find_cached_prefix), so
     its block counts only if another token follows it: the same blocks a worker could reuse."""
     usable = ids[:max(len(ids) - 1, 0)]

@@ -37,28 +37,20 @@ import orjson
 
 from splitserve.errors import InvalidRequestError
 from splitserve.orchestrator.probes import challenge
+from splitserve.protocol.internal_api import (
+    WORKERS_PATH, WORKERS_REMOVE_PATH, Registration, Removal)
 from splitserve.protocol.openai import error_body
+from splitserve.protocol.roles import REGISTERED_ROLES
 from splitserve.trust import INTERNAL_HEADER, Keys
 
 logger = logging.getLogger(__name__)
 
-ROLES = ("context", "generation")
 MAX_URL_CHARS = 512
 TTL_RANGE = (1.0, 3600.0)       # seconds a lease may be given
 MAX_MEMBERS = 256
-PATHS = ("/internal/workers", "/internal/workers/remove")
+PATHS = (WORKERS_PATH, WORKERS_REMOVE_PATH)
 NOT_INTERNAL = ("the /internal/ endpoints take only the cluster's internal requests; this "
                 "request does not carry the cluster's internal token for this server")
-
-
-class Registration(msgspec.Struct, forbid_unknown_fields=True):
-    role: str
-    url: str
-    ttl: float = 30.0
-
-
-class Removal(msgspec.Struct, forbid_unknown_fields=True):
-    url: str
 
 
 class Member(msgspec.Struct):
@@ -106,8 +98,8 @@ class Registry:
 
     def register(self, body: bytes) -> None:
         reg = _decode(Registration, body)
-        if reg.role not in ROLES:
-            raise InvalidRequestError(f"role must be one of {', '.join(ROLES)}, got "
+        if reg.role not in REGISTERED_ROLES:
+            raise InvalidRequestError(f"role must be one of {', '.join(REGISTERED_ROLES)}, got "
                                       f"{reg.role[:40]!r}", "role")
         if not TTL_RANGE[0] <= reg.ttl <= TTL_RANGE[1]:
             raise InvalidRequestError(f"ttl must be {TTL_RANGE[0]:g} to {TTL_RANGE[1]:g} "

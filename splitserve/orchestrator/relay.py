@@ -9,8 +9,8 @@ from __future__ import annotations
 import orjson
 
 from splitserve.errors import InvalidRequestError
-from splitserve.orchestrator.cluster import RELAY_MODES
 from splitserve.protocol.cache_salt import check_cache_salt
+from splitserve.protocol.disagg import RELAY_MODES
 from splitserve.protocol.logprob_bound import check_generation_logprobs
 from splitserve.protocol.openai_requests import decode_chat_request, decode_completion_request
 

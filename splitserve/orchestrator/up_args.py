@@ -5,12 +5,13 @@ The workers' engine flags are `serve`'s own (splitserve/flags.py), passed on to 
 from __future__ import annotations
 
 from splitserve.config import EngineConfig
-from splitserve.flags import add_flags
-from splitserve.kv import TRANSPORT_MODULES
+from splitserve.flags import add_flags, config_flags
 from splitserve.orchestrator.cluster import ClusterConfig
 
-# none moves no KV: a cluster's generation_only output would be garbage (bench frontend only)
-KV_BACKENDS = tuple(b for b in TRANSPORT_MODULES if b != "none")
+# The config's KV transports but none, which moves no KV: a cluster's generation_only output
+# would be garbage (bench frontend only)
+KV_BACKENDS = tuple(b for b in config_flags(EngineConfig)["--kv-backend"][2].choices
+                    if b != "none")
 
 
 def add_arguments(p) -> None:

@@ -24,6 +24,7 @@ import orjson
 
 from splitserve.orchestrator.cluster import Credentials
 from splitserve.orchestrator.relay import SSE
+from splitserve.protocol.internal_api import SENT_AT_HEADER
 from splitserve.trust import INTERNAL_HEADER, PROOF_HEADER, proven
 
 _EVENT_END = b"\n\n"
@@ -89,7 +90,7 @@ def creds_of(server) -> Credentials:
 
 def _headers(creds: Credentials) -> dict:
     # The receiver measures its preprocessing from the moment we wrote the request.
-    return {"Content-Type": "application/json", "X-Sent-At": repr(time.time()),
+    return {"Content-Type": "application/json", SENT_AT_HEADER: repr(time.time()),
             INTERNAL_HEADER: creds.token}
 
 

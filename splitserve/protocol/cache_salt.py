@@ -1,5 +1,5 @@
 """cache_salt (vLLM's request field) and cache isolation by API key: which salt a request's
-prefix-cache blocks are hashed with (engine/prompt_digest.salted_root).
+prefix-cache blocks are hashed with (protocol/block_hashes.salted_root).
 
 Prefix caching tells a client how much of its prompt someone already sent: `cached_tokens`
 in the usage, and a shorter time to first token. Two requests share cached blocks only if

@@ -1,15 +1,16 @@
 """What a request carries between a context (prefill) worker and a generation (decode)
 worker. The orchestrator sets `request_type`; the CTX worker answers with the rest, and the
-orchestrator relays it to the GEN worker unchanged."""
+orchestrator relays it to the GEN worker unchanged. Also the request types and token relay
+modes themselves, and the SSE comment that tags a migratable stream's events."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 import msgspec
 
 from splitserve.errors import InvalidRequestError
-from splitserve.protocol.engine import KVHandle, Logprob
+from splitserve.protocol.engine import KVHandle, Logprob, RequestKind
 from splitserve.sampling_params import INT32_MAX
 
 MAX_FIRST_GEN_TOKENS = 16     # a context worker samples one; room for speculative drafts
@@ -17,7 +18,18 @@ MAX_ID_LEN = 256              # characters of ctx_request_id
 MAX_TOP = 20                  # alternatives per logprob entry (SamplingParams' limit)
 
 RequestType = Literal["context_only", "generation_only"]
+# What each request_type asks of the engine (None: aggregated, prefill and decode here).
+REQUEST_KIND = {None: RequestKind.AGGREGATED, "context_only": RequestKind.CONTEXT_ONLY,
+                "generation_only": RequestKind.GENERATION_ONLY}
+# How the prompt travels CTX -> orchestrator -> GEN: as JSON ids, as base64 int32, or only
+# its length (its KV, and its ids if something reads them, come with the KV pull).
 TokenRelay = Literal["list", "b64", "metadata"]
+TOKEN_RELAYS: tuple[str, ...] = get_args(TokenRelay)
+# What a cluster (or a request's token_relay) may ask for: auto is the orchestrator's
+# choice, metadata (orchestrator/relay.py).
+RELAY_MODES = (*TOKEN_RELAYS, "auto")
+# stream_token_ids: the SSE comment line before each event, naming its token ids.
+IDS_COMMENT = b": ids "
 
 
 class DisaggregatedParams(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -82,6 +94,18 @@ def relayed_handle(handle: KVHandle, relay: str | None) -> KVHandle:
     if relay == "metadata" or not handle.block_hashes:
         return handle
     return msgspec.structs.replace(handle, block_hashes=b"")
+
+
+def ids_comment(token_ids: list[int]) -> bytes:
+    """The comment naming the tokens of the SSE event after it: clients ignore comments;
+    the orchestrator reads and strips them to migrate a broken stream."""
+    return IDS_COMMENT + " ".join(map(str, token_ids)).encode() + b"\n\n"
+
+
+def comment_ids(event: bytes) -> list[int]:
+    """The token ids of an IDS_COMMENT event (without its blank line); ValueError if they
+    are not numbers."""
+    return [int(t) for t in event[len(IDS_COMMENT):].split()]
 
 
 def _check_ids(ids: list[int], name: str) -> None:

@@ -17,6 +17,7 @@ import enum
 import msgspec
 
 from splitserve.errors import InvalidRequestError
+from splitserve.protocol.block_hashes import HASH_BYTES
 from splitserve.sampling_params import SamplingParams
 
 
@@ -33,7 +34,6 @@ class Logprob(msgspec.Struct, array_like=True, gc=False):
 
 
 _MAX_HANDLE_STR = 1024
-HASH_BYTES = 16   # one chained block hash (blake2b-16)
 
 
 class KVHandle(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
@@ -45,10 +45,10 @@ class KVHandle(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     num_tokens: int              # tokens whose KV is held: the prompt
     agent_metadata: bytes = b""  # backend extra (nixl agent metadata)
     lease_token: str = ""        # the CTX's per-lease secret: only its holder may pull and ack
-    # engine.prompt_digest of the prompt whose KV is held (hex): a GEN given the prompt's
+    # block_hashes.prompt_digest of the prompt whose KV is held (hex): a GEN given the prompt's
     # tokens checks they are that prompt's before it pulls or caches anything.
     prompt_digest: str = ""
-    # The chained hashes (engine/prompt_digest.chain_hashes, 16 bytes each, concatenated;
+    # The chained hashes (block_hashes.chain_hashes, HASH_BYTES each, concatenated;
     # base64 in JSON) of the prompt's full blocks: a GEN given only the prompt's length looks
     # them up in its prefix cache and pulls only the blocks it lacks. Trusted as far as the
     # peer that sent them (docs/security.md).
@@ -136,7 +136,7 @@ class EngineRequest(msgspec.Struct, gc=False):
     # A length-only prompt whose values the front-end needs (echo): the engine pulls them
     # with the KV and hands them back in the first delta (CompletionDelta.prompt_bytes).
     prompt_back: bool = False
-    # engine/prompt_digest.salted_root of the request's effective cache_salt (b"": none):
+    # block_hashes.salted_root of the request's effective cache_salt (b"": none):
     # where its chained block hashes start. The salt itself never reaches the engine.
     hash_root: bytes = b""
 
@@ -285,7 +285,7 @@ class EngineOutputs(msgspec.Struct, tag="outputs"):
 
 
 class KVBlocks(msgspec.Struct, tag="kv_blocks"):
-    """The chained hashes (engine/prompt_digest.chain_hashes) of the blocks in the engine's
+    """The chained hashes (block_hashes.chain_hashes) of the blocks in the engine's
     prefix cache, for a KV-aware router: sent when they changed, at most about once a second.
     version: names this snapshot; it changes (and only then) when the cache did, and differs
     across engine restarts. hashes: 16 bytes each, back to back, the newest `limit` of

@@ -1,4 +1,5 @@
-"""OpenAI request bodies (/v1/completions, /v1/chat/completions) as msgspec Structs.
+"""OpenAI request bodies (/v1/completions, /v1/chat/completions, and vLLM's /tokenize) as
+msgspec Structs.
 
 Decoding checks types and shapes (`decode_*`); `.sampling_params()` maps the request onto
 SamplingParams, which checks value ranges. Both raise InvalidRequestError naming the
@@ -164,12 +165,10 @@ class ChatCompletionRequest(_BaseRequest, kw_only=True, omit_defaults=True):
                f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}", "top_logprobs")
         _check(bool(self.logprobs) or not self.top_logprobs,
                "top_logprobs requires logprobs to be true", "top_logprobs")
-        reserved = sorted(_RESERVED_TEMPLATE_KWARGS.intersection(self.chat_template_kwargs or ()))
-        _check(not reserved, f"chat_template_kwargs must not set {', '.join(reserved)} (the "
-               f"request's own fields set what the template reads)", "chat_template_kwargs")
+        check_template_kwargs(self.chat_template_kwargs)
 
     def conversation(self) -> list[dict]:
-        return [m.to_dict() for m in self.messages]
+        return conversation(self.messages)
 
     def sampling_params(self) -> SamplingParams:
         max_tokens = self.max_completion_tokens
@@ -184,23 +183,65 @@ class ChatCompletionRequest(_BaseRequest, kw_only=True, omit_defaults=True):
             raise
 
 
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    """POST /tokenize: a prompt's ids, or a chat request's, the ids chat completions makes
+    of the same fields (protocol/prompts.chat_prompt)."""
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True           # a prompt's; a template writes a chat's
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict | None = None
+
+    def __post_init__(self):
+        _check((self.prompt is None) != (self.messages is None),
+               "send exactly one of prompt or messages", "prompt")
+        check_template_kwargs(self.chat_template_kwargs)
+
+
 # Names the chat template call takes itself: passed again as keywords they would collide.
 _RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "self", "source"})
+
+
+def conversation(messages: list[ChatMessage]) -> list[dict]:
+    """What a chat template reads of the messages."""
+    return [m.to_dict() for m in messages]
+
+
+def check_template_kwargs(kwargs: dict | None) -> None:
+    reserved = sorted(_RESERVED_TEMPLATE_KWARGS.intersection(kwargs or ()))
+    _check(not reserved, f"chat_template_kwargs must not set {', '.join(reserved)} (the "
+           f"request's own fields set what the template reads)", "chat_template_kwargs")
+
 
 KNOWN_COMPLETION_FIELDS = frozenset(CompletionRequest.__struct_fields__)
 KNOWN_CHAT_FIELDS = frozenset(ChatCompletionRequest.__struct_fields__)
 
 _completion_decoder = msgspec.json.Decoder(CompletionRequest)
 _chat_decoder = msgspec.json.Decoder(ChatCompletionRequest)
+_tokenize_decoder = msgspec.json.Decoder(TokenizeRequest)
 _raw_object_decoder = msgspec.json.Decoder(dict[str, msgspec.Raw])
 
 
 def decode_completion_request(body: bytes) -> CompletionRequest:
-    return _decode(_completion_decoder, body)
+    return _decode(_completion_decoder.decode, body)
 
 
 def decode_chat_request(body: bytes) -> ChatCompletionRequest:
-    return _decode(_chat_decoder, body)
+    return _decode(_chat_decoder.decode, body)
+
+
+def decode_tokenize_request(body: bytes) -> TokenizeRequest:
+    return _decode(_tokenize_decoder.decode, body)
+
+
+def convert_chat_request(fields: dict) -> ChatCompletionRequest:
+    """A chat request of Python values (LLM.chat; the orchestrator's copy of a body's chat
+    fields), checked as decode_chat_request checks a body."""
+    return _decode(_convert_chat, fields)
+
+
+def _convert_chat(fields: dict) -> ChatCompletionRequest:
+    return msgspec.convert(fields, ChatCompletionRequest)
 
 
 def unknown_fields(body: bytes, known: frozenset[str]) -> list[str]:
@@ -212,9 +253,10 @@ def unknown_fields(body: bytes, known: frozenset[str]) -> list[str]:
         return []
 
 
-def _decode(decoder: msgspec.json.Decoder, body: bytes):
+def _decode(decode, body):
+    """decode(body), its errors as InvalidRequestError naming the parameter."""
     try:
-        return decoder.decode(body)
+        return decode(body)
     except msgspec.ValidationError as exc:
         path = _error_path(str(exc))
         cause = exc.__cause__

@@ -4,20 +4,17 @@ request), the disaggregated fields, and the EngineRequest of each prompt, built 
 
 from __future__ import annotations
 
-from splitserve.engine.admission import check_prompt
 from splitserve.errors import InvalidRequestError
+from splitserve.protocol.disagg import REQUEST_KIND
 from splitserve.protocol.engine import EngineReady, EngineRequest, RemotePrefill, RequestKind
 from splitserve.protocol.logprob_bound import MAX_LOGPROB_ENTRIES, check_generation_logprobs
+from splitserve.protocol.prompts import check_prompt
 from splitserve.sampling_params import SamplingParams
 from splitserve.tokens import PromptTokens
 
-_KINDS = {None: RequestKind.AGGREGATED, "context_only": RequestKind.CONTEXT_ONLY,
-          "generation_only": RequestKind.GENERATION_ONLY}
-
-
 def request_kind(req) -> RequestKind:
     dp = req.disaggregated_params
-    return _KINDS[None if dp is None else dp.request_type]
+    return REQUEST_KIND[None if dp is None else dp.request_type]
 
 
 def engine_requests(req, rid: str, prompts: list[PromptTokens], params: SamplingParams,
@@ -90,28 +87,6 @@ def check_prompt_logprobs(req, prompts: list[PromptTokens], params: SamplingPara
             f"{params.n} x {k + 1} per position); at most {MAX_LOGPROB_ENTRIES:,} per "
             f"request: ask for fewer alternatives, choices or prompts", param)
     return entries
-
-
-def check_message_count(count: int, max_model_len: int) -> None:
-    """Every message a chat template renders adds a token at least (its role's markers):
-    more messages than the context has tokens cannot fit, and are not rendered (a 64 MiB
-    body of 2M messages is ~9 s of template work)."""
-    if count > max_model_len:
-        raise InvalidRequestError(f"{count:,} messages cannot fit in this model's maximum "
-                                  f"context length of {max_model_len} tokens", "messages")
-
-
-def encode_prompt(tokenizer, text: str, max_model_len: int, param: str,
-                  add_special_tokens: bool = True) -> PromptTokens:
-    """A text prompt's ids (blocking: run it in the tokenizer pool). A text that surely
-    cannot fit the context is refused before it is encoded (a 64 MiB body encoded costs
-    ~9 GB)."""
-    if tokenizer.surely_too_long(text, max_model_len):
-        raise InvalidRequestError(
-            f"the prompt is {len(text):,} characters: more than this model's maximum context "
-            f"length of {max_model_len} tokens can hold (at most "
-            f"{max_model_len * tokenizer.max_token_chars:,} characters)", param)
-    return PromptTokens(tokenizer.encode(text, add_special_tokens))
 
 
 def relayed_prompt(req, params: SamplingParams) -> tuple[list[PromptTokens], RemotePrefill, str]:

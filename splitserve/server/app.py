@@ -20,13 +20,15 @@ from splitserve.httpd.router import NO_BODY, Route, Router
 from splitserve.httpd.server import Admission
 from splitserve.model.loader import load_model_source
 from splitserve.protocol.cache_salt import CacheIsolation, derivation_key
+from splitserve.protocol.internal_api import KV_BLOCKS_PATH, load_body
 from splitserve.protocol.openai import error_body, status_error_body
-from splitserve.server.admission import check_message_count, encode_prompt
+from splitserve.protocol.openai_requests import decode_tokenize_request
+from splitserve.protocol.prompts import chat_prompt, encode_prompt
 from splitserve.server.config import ServerConfig
 from splitserve.server.engine_client import EngineClient, EngineDeadError
 from splitserve.server.engine_link import EngineLink
 from splitserve.server.generate import GenerateHandlers
-from splitserve.server.kv_blocks import PATH as KV_BLOCKS, kv_blocks_response
+from splitserve.server.kv_blocks import kv_blocks_response
 from splitserve.server.metrics import ServerMetrics
 from splitserve.server.registration import Registration
 from splitserve.signals import wait_for_stop_signal
@@ -44,12 +46,6 @@ class ModelNotFound(InvalidRequestError):
 
 class Overloaded(RuntimeError):
     """More requests wait for the engine than the worker is configured to hold: 503."""
-
-
-class _TokenizeBody(msgspec.Struct):
-    prompt: str | None = None
-    messages: list[dict] | None = None
-    add_special_tokens: bool = True
 
 
 class _DetokenizeBody(msgspec.Struct):
@@ -88,8 +84,8 @@ class WorkerServer:
             "/metrics": Route("GET", self.prometheus, NO_BODY),
             "/tokenize": Route("POST", self.tokenize, body),
             "/detokenize": Route("POST", self.detokenize, body),
-            KV_BLOCKS: Route("GET", functools.partial(kv_blocks_response, gate=self.gate,
-                                                      engine=self.engine), NO_BODY),
+            KV_BLOCKS_PATH: Route("GET", functools.partial(kv_blocks_response, gate=self.gate,
+                                                           engine=self.engine), NO_BODY),
         }, status_error_body)
         self.http = HTTPServer(self.dispatch, body, self.log_prefix, limits=config.http,
                                error_body=status_error_body, check_head=self.check_head)
@@ -194,9 +190,9 @@ class WorkerServer:
         arrival, and the other front-ends' (--api-server-count) as they last reported."""
         engine = self.engine
         stats, total = engine.stats, engine.stats.kv_blocks_total
-        return {"running": stats.num_running, "waiting": stats.num_waiting,
-                "in_flight": self.handlers.in_flight + engine.peers_in_flight(),
-                "kv_usage": stats.kv_blocks_used / total if total else 0.0}
+        return load_body(stats.num_running, stats.num_waiting,
+                         self.handlers.in_flight + engine.peers_in_flight(),
+                         stats.kv_blocks_used / total if total else 0.0)
 
     async def prometheus(self, request: Request) -> Response:
         self.metrics.update_engine(self.engine.stats)
@@ -207,15 +203,10 @@ class WorkerServer:
                         content_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def tokenize(self, request: Request) -> Response:
-        body = _decode(_TokenizeBody, request.body)
+        body = decode_tokenize_request(request.body)
         tok, max_len = self.tokenizer, self.engine.ready.max_model_len
-        if (body.prompt is None) == (body.messages is None):
-            raise InvalidRequestError("send exactly one of prompt or messages", "prompt")
-        if body.messages is not None:
-            check_message_count(len(body.messages), max_len)
-            ids = await self.in_pool(lambda: encode_prompt(
-                tok, tok.apply_chat_template(body.messages), max_len, "messages",
-                add_special_tokens=False))
+        if body.messages is not None:   # as chat completions makes them
+            _, ids = await self.in_pool(lambda: chat_prompt(tok, body, max_len))
         else:
             ids = await self.in_pool(lambda: encode_prompt(tok, body.prompt, max_len, "prompt",
                                                            body.add_special_tokens))

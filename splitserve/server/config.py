@@ -8,9 +8,8 @@ from splitserve.config import EngineConfig
 from splitserve.flags import flag, flags_within
 from splitserve.httpd.limits import HTTPLimits
 from splitserve.protocol.cache_salt import check_isolation
+from splitserve.protocol.roles import WORKER_ROLES
 from splitserve.trust import new_instance_id
-
-ROLES = ("agg", "ctx", "gen")
 
 
 @dataclass(frozen=True)
@@ -21,7 +20,7 @@ class ServerConfig:
     # A deployment label: what a request does, its own disaggregated_params say.
     role: str = field(default="agg", metadata=flag(
         "--role", "the pool --register joins: ctx the context pool, gen and agg the generation "
-                  "pool", choices=ROLES))
+                  "pool", choices=WORKER_ROLES))
     served_model_name: str | None = field(default=None, metadata=flag(
         "--served-model-name", "the model's name in /v1/models and in responses (default: "
                                "the model's own)"))
@@ -63,8 +62,8 @@ class ServerConfig:
     instance_id: str = field(default_factory=new_instance_id)
 
     def __post_init__(self):
-        if self.role not in ROLES:
-            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if self.role not in WORKER_ROLES:
+            raise ValueError(f"role must be one of {', '.join(WORKER_ROLES)}, got {self.role!r}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.max_body_bytes < 1024:

@@ -15,16 +15,17 @@ from typing import AsyncIterator
 
 import numpy as np
 
-from splitserve.engine.prompt_digest import salted_root
 from splitserve.httpd import ChunkedStream, Request, Response
-from splitserve.protocol.disagg import DisaggregatedParams, relayed_handle
+from splitserve.protocol.block_hashes import salted_root
+from splitserve.protocol.disagg import DisaggregatedParams, ids_comment, relayed_handle
 from splitserve.protocol.engine import CompletionDelta, EngineRequest, RequestKind
+from splitserve.protocol.internal_api import SENT_AT_HEADER
 from splitserve.protocol.openai import (
     DONE, ChatCompletionRequest, CompletionRequest, EchoPrompt, ResponseAccumulator,
     StreamEncoder, decode_chat_request, decode_completion_request, response_id, sse_error)
+from splitserve.protocol.prompts import chat_prompt, encode_prompt
 from splitserve.server.admission import (
-    check_message_count, encode_prompt, engine_requests, logprob_entries, relay_fields,
-    relayed_prompt, request_kind)
+    engine_requests, logprob_entries, relay_fields, relayed_prompt, request_kind)
 from splitserve.server.engine_client import EngineDeadError
 from splitserve.tokens import PromptTokens
 from splitserve.trust import Gate, NotInternal
@@ -91,14 +92,7 @@ class GenerateHandlers:
             self.server.metrics.token_relay.labels(mode).inc()
             return await self._respond(request, req, prompts, params, (), arrival, remote)
         tok, max_len = self.server.tokenizer, self.server.engine.ready.max_model_len
-        check_message_count(len(req.messages), max_len)
-        kwargs = req.chat_template_kwargs or {}
-
-        def render() -> PromptTokens:
-            text = tok.apply_chat_template(req.conversation(),
-                                           add_generation_prompt=req.add_generation_prompt, **kwargs)
-            return encode_prompt(tok, text, max_len, "messages", add_special_tokens=False)
-        prompt = await self.server.in_pool(render)
+        _, prompt = await self.server.in_pool(lambda: chat_prompt(tok, req, max_len))
         return await self._respond(request, req, [prompt], params, (), arrival)
 
     def _internal_only(self, request: Request, req) -> None:
@@ -175,7 +169,7 @@ class GenerateHandlers:
                     observe(i, delta)
                     chunk = enc.chunk(delta, i)
                     if tag_ids and delta.token_ids:
-                        chunk = token_ids_comment(delta.token_ids) + chunk
+                        chunk = ids_comment(delta.token_ids) + chunk
                     if chunk:
                         await resp.write(chunk)
                     if delta.error is not None:
@@ -301,7 +295,7 @@ def _arrival(request: Request, gate: Gate) -> float:
     last hour: a public client's header, a clock ahead of ours, NaN or inf would skew every
     histogram's sum for good."""
     now = time.time()
-    sent = request.header("X-Sent-At")
+    sent = request.header(SENT_AT_HEADER)
     if not sent or not gate.internal(request.header):
         return now
     try:
@@ -309,11 +303,3 @@ def _arrival(request: Request, gate: Gate) -> float:
     except ValueError:
         return now
     return at if now - SENT_AT_MAX_AGE <= at <= now else now
-
-
-def token_ids_comment(token_ids: list[int]) -> bytes:
-    """An SSE comment naming the tokens of the event after it (stream_token_ids): clients
-    ignore comments; the orchestrator reads and strips them to migrate a broken stream."""
-    return b": ids " + " ".join(map(str, token_ids)).encode() + b"\n\n"
-
-

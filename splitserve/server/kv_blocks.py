@@ -3,20 +3,18 @@ orchestrator's KV-aware router (orchestrator/kv_index.py). Internal: only a requ
 carries this worker's internal token (trust.py) gets an answer; which prompts a worker has
 seen is nobody else's business.
 
-The body is JSON: {"version", "block_size", "total", "hashes"}; hashes is base64 of the
-16-byte chained block hashes back to back (engine/kv_report.py bounds how many: at most
-256 KiB). `?since=<version>` answers {"version", "unchanged": true} when nothing changed,
-so a poller pays for the list only when it moved."""
+The body is protocol/internal_api.kv_blocks_body: the chained block hashes, base64
+(engine/kv_report.py bounds how many: at most 256 KiB). `?since=<version>` answers
+{"version", "unchanged": true} when nothing changed, so a poller pays for the list only
+when it moved."""
 
 from __future__ import annotations
 
-import base64
-
 from splitserve.httpd import Request, Response, json_response
+from splitserve.protocol.internal_api import kv_blocks_body
 from splitserve.protocol.openai import error_body
 from splitserve.trust import Gate
 
-PATH = "/internal/kv_blocks"
 _MAX_SINCE = 64     # a version is 8 hex digits, a dash and a counter
 
 
@@ -25,15 +23,7 @@ async def kv_blocks_response(request: Request, gate: Gate, engine) -> Response:
     if not gate.internal(request.header):
         return Response(error_body("this endpoint is internal: it needs the cluster's internal "
                                    "token for this server", "invalid_request_error"), 403)
-    report = engine.kv_blocks
-    if report is None:   # no report yet (starting, or a new engine): nothing cached
-        return json_response({"version": "", "block_size": 0, "total": 0, "hashes": ""})
-    since = _since(request.query)
-    if since == report.version:
-        return json_response({"version": report.version, "unchanged": True})
-    return json_response({"version": report.version, "block_size": report.block_size,
-                          "total": report.total,
-                          "hashes": base64.b64encode(report.hashes).decode("ascii")})
+    return json_response(kv_blocks_body(engine.kv_blocks, _since(request.query)))
 
 
 def _since(query: bytes) -> str | None:

@@ -14,19 +14,22 @@ gen and agg as generation workers (an agg worker serves whole requests too).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import socket
 import urllib.request
 
+import msgspec
+
 from splitserve.internal_client import InternalClient
 from splitserve.listen import WILDCARDS, http_url
+from splitserve.protocol.internal_api import (
+    WORKERS_PATH, WORKERS_REMOVE_PATH, Registration as Entry, Removal)
+from splitserve.protocol.roles import REGISTERED_ROLE
 
 logger = logging.getLogger(__name__)
 
 TTL = 10.0            # seconds the orchestrator keeps this worker without a heartbeat
 RETRY = 1.0           # seconds between tries while the orchestrator does not answer
-ROLE = {"ctx": "context", "gen": "generation", "agg": "generation"}
 
 
 def own_url(host: str, port: int) -> str:
@@ -42,7 +45,7 @@ class Registration:
         # Without a secret nothing proves the orchestrator: the heartbeats fail and say so.
         self.client = InternalClient(secret or "")
         self.log_prefix = log_prefix
-        self.entry = {"role": ROLE[role], "url": url, "ttl": TTL}
+        self.entry = Entry(REGISTERED_ROLE[role], url, TTL)
         self.task = asyncio.create_task(self._heartbeat())
 
     @classmethod
@@ -59,8 +62,8 @@ class Registration:
         if registration is not None:
             await registration.stop()
 
-    def _post(self, path: str, body: dict) -> None:
-        req = urllib.request.Request(self.orchestrator + path, json.dumps(body).encode(),
+    def _post(self, path: str, body: Entry | Removal) -> None:
+        req = urllib.request.Request(self.orchestrator + path, msgspec.json.encode(body),
                                      method="POST", headers={"Content-Type": "application/json"})
         with self.client.urlopen(req, timeout=5) as r:
             r.read()
@@ -70,7 +73,7 @@ class Registration:
         waited = 0.0          # for an orchestrator that is not listening yet
         while True:
             try:
-                await asyncio.to_thread(self._post, "/internal/workers", self.entry)
+                await asyncio.to_thread(self._post, WORKERS_PATH, self.entry)
             except OSError as exc:    # urllib's errors (HTTPError: a refusal) are OSErrors
                 if registered is None and _gone(exc, ConnectionRefusedError) and waited < TTL:
                     if not waited:    # starting before it (as `up`'s workers do): no warning
@@ -85,7 +88,7 @@ class Registration:
                 continue
             if not registered:
                 logger.info("%s: registered with %s as %s", self.log_prefix,
-                            self.orchestrator, self.entry["url"])
+                            self.orchestrator, self.entry.url)
             registered = True
             await asyncio.sleep(TTL / 3)
 
@@ -95,7 +98,7 @@ class Registration:
         self.task.cancel()
         try:
             await asyncio.wait_for(asyncio.to_thread(
-                self._post, "/internal/workers/remove", {"url": self.entry["url"]}), 6)
+                self._post, WORKERS_REMOVE_PATH, Removal(self.entry.url)), 6)
             logger.info("%s: left %s", self.log_prefix, self.orchestrator)
         except (OSError, asyncio.TimeoutError) as exc:
             if _gone(exc, (ConnectionRefusedError, ConnectionResetError)):

@@ -16,7 +16,7 @@ import numpy as np
 
 from splitserve.bench.frontend.config import BenchError
 from splitserve.httpd.client import HTTPConnection
-from splitserve.engine.prompt_digest import digest_of_tokens
+from splitserve.protocol.block_hashes import digest_of_tokens
 
 FIRST_TOKEN = 42                       # first_gen_tokens: any id of the vocabulary
 _MARK = b"@CTX_REQUEST_ID@"            # where each request's unique ctx_request_id goes

@@ -6,8 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from splitserve.config import CacheConfig
-
-MODES = ("list", "b64", "metadata")
+from splitserve.protocol.disagg import TOKEN_RELAYS as MODES
 MODES_LIGHT_FIRST = ("metadata", "b64", "list")    # the order a cell's runs go in
 DEFAULT_ISL = (1024, 8192, 32768, 131072)
 DEFAULT_CONCURRENCY = (64, 256, 1024)

@@ -1,0 +1,76 @@
+"""A prompt as every room must see it: a text's token ids, a chat request's prompt, and what
+a prompt must satisfy before the engine takes it.
+
+chat_prompt is the one place messages become a prompt. Chat completions
+(server/generate.py), POST /tokenize (server/app.py), LLM.chat (llm.py) and the
+orchestrator's counting (orchestrator/prompt_tokens.py) all call it, so they make the same
+ids of the same request: the orchestrator's kv_aware routing and local-prefill decision hash
+those ids, which name a worker's cached blocks only if they are the worker's own.
+
+`tokenizer` is a model/tokenizer.Tokenizer (encode, apply_chat_template, surely_too_long,
+max_token_chars). Encoding blocks: callers on an event loop run it in a thread."""
+
+from __future__ import annotations
+
+from splitserve.errors import InvalidRequestError
+from splitserve.protocol.openai_requests import check_template_kwargs, conversation
+from splitserve.sampling_params import SamplingParams
+from splitserve.tokens import PromptTokens
+
+
+def chat_prompt(tokenizer, chat, max_model_len: int) -> tuple[str, PromptTokens]:
+    """(text, ids) of a chat request: its messages rendered by the model's chat template
+    with add_generation_prompt and chat_template_kwargs, then encoded with no special tokens
+    added (the template wrote them). chat: a ChatCompletionRequest or anything with those
+    three fields; its messages are ChatMessages, content parts already flattened.
+    InvalidRequestError (a 400) when it cannot fit max_model_len or does not render."""
+    check_message_count(len(chat.messages), max_model_len)
+    kwargs = chat.chat_template_kwargs or {}
+    check_template_kwargs(kwargs)
+    text = tokenizer.apply_chat_template(conversation(chat.messages),
+                                         add_generation_prompt=chat.add_generation_prompt,
+                                         **kwargs)
+    return text, encode_prompt(tokenizer, text, max_model_len, "messages",
+                               add_special_tokens=False)
+
+
+def check_message_count(count: int, max_model_len: int) -> None:
+    """Every message a chat template renders adds a token at least (its role's markers):
+    more messages than the context has tokens cannot fit, and are not rendered (a 64 MiB
+    body of 2M messages is ~9 s of template work)."""
+    if count > max_model_len:
+        raise InvalidRequestError(f"{count:,} messages cannot fit in this model's maximum "
+                                  f"context length of {max_model_len} tokens", "messages")
+
+
+def encode_prompt(tokenizer, text: str, max_model_len: int, param: str,
+                  add_special_tokens: bool = True) -> PromptTokens:
+    """A text prompt's ids. A text that surely cannot fit the context is refused before it
+    is encoded (a 64 MiB body encoded costs ~9 GB)."""
+    if tokenizer.surely_too_long(text, max_model_len):
+        raise InvalidRequestError(
+            f"the prompt is {len(text):,} characters: more than this model's maximum context "
+            f"length of {max_model_len} tokens can hold (at most "
+            f"{max_model_len * tokenizer.max_token_chars:,} characters)", param)
+    return PromptTokens(tokenizer.encode(text, add_special_tokens))
+
+
+def check_prompt(prompt: PromptTokens, params: SamplingParams, vocab_size: int,
+                 max_model_len: int) -> None:
+    """Not empty, room for one generated token, token ids of the vocabulary (params' too).
+    The engine's admission check (engine/admission.py), which the front-end runs too
+    (server/admission.py): its 400 must come before a stream's head leaves."""
+    n = len(prompt)
+    if n == 0:
+        raise InvalidRequestError("the prompt is empty", "prompt")
+    if n >= max_model_len:
+        raise InvalidRequestError(
+            f"the prompt has {n} tokens; this model's context is {max_model_len} tokens "
+            f"including at least one generated token", "prompt")
+    if not prompt.is_placeholder:
+        lo, hi = int(prompt.array.min()), int(prompt.array.max())
+        if lo < 0 or hi >= vocab_size:
+            bad = lo if lo < 0 else hi
+            raise InvalidRequestError(f"prompt token id {bad} is outside the vocabulary "
+                                      f"[0, {vocab_size})", "prompt")
+    params.check_vocab(vocab_size)
