@@ -176,10 +176,12 @@ def test_the_input_handler_answers_a_request_it_cannot_admit(engine):
     """Whatever add_request raises for one request (here: params that are no
     SamplingParams) becomes that request's error; the step loop goes on."""
     deltas: list[CompletionDelta] = []
-    bad = EngineRequest("bad", None, 9)
-    process._handle(engine, (bad, memoryview(prompt(2).array).cast("B"), time.time()), deltas)
-    process._handle(engine, (EngineRequest("good", GREEDY, 9),
-                             memoryview(prompt(1).array).cast("B"), time.time()), deltas)
+    bad = EngineRequest(request_id="bad", params=None, prompt_len=9)
+    bad.take_tokens(memoryview(prompt(2).array).cast("B"), time.time())
+    good = EngineRequest.build("good", prompt(1), GREEDY)
+    good.take_tokens(good.token_bytes(), time.time())
+    process._handle(engine, bad, deltas)
+    process._handle(engine, good, deltas)
     assert [(d.request_id, d.index, d.finish_reason) for d in deltas] == [
         ("bad", -1, FinishReason.ERROR)]
     assert "could not admit" in deltas[0].error
@@ -234,7 +236,7 @@ def test_an_input_that_fails_to_decode_answers_each_request_it_names(zmq_pair, e
     push.bind(addr)
     in_q = queue.Queue()
     threading.Thread(target=process._recv_loop, args=(ctx, addr, in_q), daemon=True).start()
-    good = EngineRequest("good", GREEDY, 9)
+    good = EngineRequest.build("good", prompt(1), GREEDY)
     garbled = {"request_id": "bad", "params": {"temperature": "hot"}, "prompt_len": 2}
     refused = {"request_id": "refused", "params": {"seed": 2**64 - 1}, "prompt_len": 1}
     header = msgspec.msgpack.encode({"type": "add", "requests": [
@@ -251,9 +253,9 @@ def test_an_input_that_fails_to_decode_answers_each_request_it_names(zmq_pair, e
     got = drain(engine)   # the request that decoded alone is served
     assert got[("good", 0)][-1].finish_reason == FinishReason.LENGTH
     assert tokens(got[("good", 0)]) == clean_run(engine)
-    push.send(pack_input(msgspec.msgpack.encode(AddRequests([EngineRequest("next", GREEDY, 9)])),
-                         [prompt(1).array.tobytes()]))
-    assert in_q.get(timeout=30)[0].request_id == "next"   # the thread still reads
+    push.send(pack_input(msgspec.msgpack.encode(AddRequests([EngineRequest.build(
+        "next", prompt(1), GREEDY)])), [prompt(1).array.tobytes()]))
+    assert in_q.get(timeout=30).request_id == "next"   # the thread still reads
 
 
 def test_the_reported_request_no_longer_takes_a_worker_down():

@@ -28,7 +28,6 @@ from splitserve.errors import InvalidRequestError
 from splitserve.model.llama import build_model
 from splitserve.model.loader import ModelSource, load_model_source
 from splitserve.protocol.engine import CompletionDelta, EngineRequest
-from splitserve.tokens import PromptTokens
 
 logger = logging.getLogger(__name__)
 
@@ -63,16 +62,16 @@ class EngineCore(FailureHandling):
                     self.max_model_len)
 
     # -- requests in ----------------------------------------------------------------------
-    def add_request(self, request: EngineRequest, prompt: PromptTokens,
-                    resumed: np.ndarray | None = None, received_time: float | None = None) -> None:
+    def add_request(self, request: EngineRequest) -> None:
         """Validate and queue; raises InvalidRequestError naming the problem. Any other
         failure ends the request with an error delta from the next step().
-        prompt: its request.prompt_len tokens (a placeholder: only their number); resumed:
-        the request.num_resumed output tokens another worker already streamed (mid-stream
-        migration): they are recomputed with the prompt and the request continues after them.
-        stream=False: each sequence yields one delta, when it finishes, holding everything it
-        generated (its first-token fields and first_token_time included)."""
+        request.prompt: its prompt_len tokens (a placeholder: only their number);
+        request.resumed: the num_resumed output tokens another worker already streamed
+        (mid-stream migration): they are recomputed with the prompt and the request continues
+        after them. stream=False: each sequence yields one delta, when it finishes, holding
+        everything it generated (its first-token fields and first_token_time included)."""
         rid, params, remote = request.request_id, request.params, request.remote
+        prompt, resumed = request.prompt, request.resumed
         if rid in self.groups:
             raise InvalidRequestError(f"request id {rid!r} is already in use", "request_id")
         check_prompt(prompt, params, self.model_config.vocab_size, self.max_model_len)
@@ -89,10 +88,10 @@ class EngineCore(FailureHandling):
         if prompt.is_placeholder:
             check_length_only(params, remote)
         if resumed is not None:
-            check_resumed(prompt, params, resumed, request.disaggregated,
+            check_resumed(prompt, params, resumed.array, request.disaggregated,
                           self.model_config.vocab_size, self.max_model_len)
         try:
-            self._admit(request, prompt, resumed, received_time, hashes)
+            self._admit(request, hashes)
         except Exception:   # a bug admitting one request ends that request, not the engine
             logger.exception("engine: admitting request %s failed", rid)
             self._discard_group(rid)
@@ -100,11 +99,11 @@ class EngineCore(FailureHandling):
                 rid, -1, [], "", finish_reason=int(FinishReason.ERROR),
                 error="internal error while admitting the request"))
 
-    def _admit(self, request: EngineRequest, prompt: PromptTokens, resumed: np.ndarray | None,
-               received_time: float | None, hashes: list[bytes] | None) -> None:
+    def _admit(self, request: EngineRequest, hashes: list[bytes] | None) -> None:
         """The request's n sequences: the leader (index 0) holds the others until it forks
         them after its prefill (output.py)."""
         rid, params, n = request.request_id, request.params, request.params.n
+        prompt, resumed, received_time = request.prompt, request.resumed, request.received
         eos = () if params.ignore_eos else self.model_config.eos_token_ids
         root = request.hash_root
         siblings = [Request(f"{rid}#{i}", prompt, sibling_params(params, i), eos,
