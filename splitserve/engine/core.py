@@ -157,7 +157,7 @@ class EngineCore(FailureHandling):
     def _step(self, out: list[CompletionDelta]) -> None:
         self._poll_remote_kv(out)
         sched = self.scheduler.schedule()
-        self._batch = [req for req, _ in sched.scheduled] + sched.pulls
+        self._batch = [*sched.scheduled, *sched.pulls]
         for req in sched.pulls:
             self._guard(req, out, "starting its KV transfer", self.remote_kv.start_pull, req)
         for req in sched.starved:
@@ -170,9 +170,9 @@ class EngineCore(FailureHandling):
             result = self.runner.execute(sched.scheduled)
         except Exception:   # one bad batch ends its requests, not the engine
             logger.exception("engine: the model's forward pass failed")
-            self._fail_all([req for req, _ in sched.scheduled], out, "running the model")
+            self._fail_all(list(sched.scheduled), out, "running the model")
             return
-        for req, n in sched.scheduled:
+        for req, n in sched.scheduled.items():
             self._guard(req, out, "caching its KV blocks", self._computed, req, n)
         for req, start, logits in result.prompt_logits.values():
             self._guard(req, out, "computing prompt logprobs", self._record_prompt_logprobs,

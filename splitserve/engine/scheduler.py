@@ -23,8 +23,9 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class SchedulerOutput:
-    # Decodes (one token each) first, then prefill chunks: the order the runner batches in.
-    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    # request -> its new tokens this step, in the order the runner batches them: decodes
+    # (one token each) first, then prefill chunks.
+    scheduled: dict[Request, int] = field(default_factory=dict)
     preempted: list[Request] = field(default_factory=list)
     pulls: list[Request] = field(default_factory=list)   # blocks allocated: start their KV pull
     starved: list[Request] = field(default_factory=list)  # no block, nobody to preempt: fail them
@@ -32,7 +33,7 @@ class SchedulerOutput:
 
     @property
     def num_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
+        return sum(self.scheduled.values())
 
     def __bool__(self) -> bool:
         return bool(self.scheduled)
@@ -54,7 +55,8 @@ class Scheduler:
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted:
             self._schedule_waiting(out, budget)
-        out.scheduled.sort(key=lambda item: item[1] > 1)   # stable: single-query rows first
+        # stable: single-query rows first
+        out.scheduled = dict(sorted(out.scheduled.items(), key=lambda item: item[1] > 1))
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -76,7 +78,7 @@ class Scheduler:
                 if req in out.failed:
                     self.running.pop(i)
                     continue
-                out.scheduled.append((req, n))
+                out.scheduled[req] = n
                 budget -= n
             i += 1
         if stuck and not out.scheduled:
@@ -142,7 +144,7 @@ class Scheduler:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()
             self.running.append(req)
-            out.scheduled.append((req, n))
+            out.scheduled[req] = n
             budget -= n
 
     def _cached_prefix(self, req: Request, out: SchedulerOutput, find=None):
