@@ -121,7 +121,7 @@ def test_a_sampling_fault_is_isolated_by_sampling_each_request_alone(engine, mon
 
 
 def test_a_failing_sibling_fork_ends_that_sibling_only(engine, monkeypatch):
-    inject(monkeypatch, engine.output, "fork", lambda leader, sib: sib.index == 1)
+    inject(monkeypatch, engine.scheduler, "fork", lambda leader, sib, *_: sib.index == 1)
     add_request(engine, "bad", prompt(2), SamplingParams(n=3, temperature=0, max_tokens=4))
     got = drain(engine)
     assert got[("bad", 1)][-1].finish_reason == FinishReason.ERROR
@@ -144,6 +144,29 @@ def test_a_request_that_cannot_even_be_ended_is_dropped(engine, monkeypatch):
     add_request(engine, "bad", prompt(2), GREEDY, stream=False)
     add_request(engine, "good", prompt(1), GREEDY)
     assert_only_bad_failed(drain(engine), want, "detokenizing")
+
+
+def test_a_request_whose_blocks_fail_to_free_still_ends_for_its_client(engine, monkeypatch):
+    """The request has ended (its last token sampled) when freeing its blocks raises: its
+    client gets its final delta, once, and the engine goes on."""
+    kept, real = [], engine.block_manager.free
+
+    def free(req):
+        if req.group_id == "bad" and req.is_finished:
+            kept.append(req)
+            raise RuntimeError("injected fault")
+        real(req)
+    want = clean_run(engine)
+    monkeypatch.setattr(engine.block_manager, "free", free)
+    add_request(engine, "bad", prompt(2), GREEDY)
+    add_request(engine, "good", prompt(1), GREEDY)
+    got = drain(engine)
+    monkeypatch.undo()
+    for req in kept:   # what the fault left held
+        real(req)
+    ends = [d.finish_reason for d in got[("bad", 0)] if d.finish_reason is not None]
+    assert ends == [FinishReason.LENGTH] and len(tokens(got[("bad", 0)])) == 6
+    assert tokens(got[("good", 0)]) == want
 
 
 def test_no_exception_escapes_step(engine, monkeypatch):
