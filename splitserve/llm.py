@@ -121,8 +121,7 @@ class LLM:
         elif not isinstance(prompt, PromptTokens):
             prompt = PromptTokens.from_list(prompt)
         request_id = str(next(self._ids))
-        self.engine.add_request(EngineRequest(request_id, params, len(prompt), hash_root=root),
-                                prompt)
+        self.engine.add_request(EngineRequest.build(request_id, prompt, params, hash_root=root))
         return RequestOutput(request_id, text, prompt, [CompletionOutput(i) for i in range(params.n)])
 
     def _run(self, results: list[RequestOutput]) -> list[RequestOutput]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from splitserve.protocol.engine import EngineRequest, RequestKind
+from splitserve.tokens import PromptTokens
 
 
 def add_request(engine, request_id, prompt, params, *, context_only=False, remote=None,
@@ -10,15 +11,17 @@ def add_request(engine, request_id, prompt, params, *, context_only=False, remot
                 hash_root=b"") -> None:
     kind = (RequestKind.CONTEXT_ONLY if context_only else
             RequestKind.GENERATION_ONLY if remote is not None else RequestKind.AGGREGATED)
-    request = EngineRequest(request_id, params, len(prompt), prompt.is_placeholder, kind, remote,
-                            stream, 0 if resumed is None else len(resumed),
-                            prompt_back=prompt_back, hash_root=hash_root)
-    engine.add_request(request, prompt, resumed, received_time)
+    if resumed is not None:
+        resumed = PromptTokens(resumed)
+    request = EngineRequest.build(request_id, prompt, params, kind=kind, remote=remote,
+                                  stream=stream, resumed=resumed, prompt_back=prompt_back,
+                                  hash_root=hash_root)
+    request.received = received_time
+    engine.add_request(request)
 
 
 def greedy_tokens(engine, prompts, params) -> list[list[int]]:
     """Runs each prompt (a token array) to the end; each one's generated token ids."""
-    from splitserve.tokens import PromptTokens
     for i, p in enumerate(prompts):
         add_request(engine, str(i), PromptTokens(p), params)
     tokens = {str(i): [] for i in range(len(prompts))}

@@ -56,7 +56,8 @@ def test_one_frame_carries_a_batch_and_a_bad_batch_fails_its_requests_not_the_en
     params = SamplingParams(max_tokens=1, temperature=0.0)
 
     async def collect(client, rid, prompt):
-        return [d async for d in client.generate(EngineRequest(rid, params, len(prompt), stream=False), prompt)]
+        request = EngineRequest.build(rid, prompt, params, stream=False)
+        return [d async for d in client.generate(request)]
 
     async def main():
         client = EngineClient(EngineConfig(model="tiny-random", dtype="float32", num_threads=1))
@@ -68,7 +69,8 @@ def test_one_frame_carries_a_batch_and_a_bad_batch_fails_its_requests_not_the_en
             # Two requests declaring 4 and 2 tokens with the bytes of 5: the batch is wrong.
             q1, q2 = DeltaQueue(eager=False), DeltaQueue(eager=False)
             client.queues.update({"bad-1": q1, "bad-2": q2})
-            reqs = [EngineRequest(rid, params, n, False) for rid, n in (("bad-1", 4), ("bad-2", 2))]
+            reqs = [EngineRequest(request_id=rid, params=params, prompt_len=n)
+                    for rid, n in (("bad-1", 4), ("bad-2", 2))]
             client.engine.in_sock.send(pack_input(client._encoder.encode(AddRequests(reqs)),
                                            [np.arange(5, dtype=np.int32).tobytes()]))
             bad = [await asyncio.wait_for(q.get(), 60) for q in (q1, q2)]
@@ -92,8 +94,9 @@ def test_pack_input_splits_back_into_each_requests_prompt():
     from splitserve.sampling_params import SamplingParams
 
     p = SamplingParams()
-    reqs = [EngineRequest("a", p, 3, False), EngineRequest("b", p, 1000, True),
-            EngineRequest("c", p, 2, False)]
+    reqs = [EngineRequest(request_id="a", params=p, prompt_len=3),
+            EngineRequest(request_id="b", params=p, prompt_len=1000, placeholder=True),
+            EngineRequest(request_id="c", params=p, prompt_len=2)]
     a, c = np.array([1, 2, 3], "<i4"), np.array([7, -1], "<i4")
     frame = pack_input(b"HEADER", [a.data.cast("B"), b"", c.tobytes()])
     header, body = unpack_input(memoryview(frame))
@@ -102,7 +105,8 @@ def test_pack_input_splits_back_into_each_requests_prompt():
     assert [np.frombuffer(g, "<i4").tolist() for g in got] == [[1, 2, 3], [], [7, -1]]
     assert split_prompts(reqs, body[:-4]) == [None] * 3            # bytes missing
     assert split_prompts(reqs[:1], body) == [None]                 # bytes left over
-    assert split_prompts([EngineRequest("n", p, -2, False)], body[:0]) == [None]
+    negative = EngineRequest(request_id="n", params=p, prompt_len=-2)
+    assert split_prompts([negative], body[:0]) == [None]
 
 
 def _client(**kwargs):
@@ -141,7 +145,8 @@ def test_a_killed_engine_fails_what_it_held_and_restarts_backing_off(caplog):
     async def run(client, rid, params, stream):
         got = []
         try:
-            async for d in client.generate(EngineRequest(rid, params, len(prompt), stream=stream), prompt):
+            request = EngineRequest.build(rid, prompt, params, stream=stream)
+            async for d in client.generate(request):
                 got.append(d)
         except EngineDeadError as exc:
             return got, str(exc)
@@ -158,7 +163,7 @@ def test_a_killed_engine_fails_what_it_held_and_restarts_backing_off(caplog):
             results = await asyncio.gather(streaming, whole)
             refused = client.health()
             with pytest.raises(EngineDeadError, match="restarting"):
-                [d async for d in client.generate(EngineRequest("early", long, len(prompt)), prompt)]
+                [d async for d in client.generate(EngineRequest.build("early", prompt, long))]
             await _until(lambda: client.health() is None)
             after = await run(client, "after", SamplingParams(max_tokens=2), False)
             good = client.config

@@ -121,7 +121,7 @@ def test_a_sampling_fault_is_isolated_by_sampling_each_request_alone(engine, mon
 
 
 def test_a_failing_sibling_fork_ends_that_sibling_only(engine, monkeypatch):
-    inject(monkeypatch, engine.output, "fork", lambda leader, sib: sib.index == 1)
+    inject(monkeypatch, engine.scheduler, "fork", lambda leader, sib, *_: sib.index == 1)
     add_request(engine, "bad", prompt(2), SamplingParams(n=3, temperature=0, max_tokens=4))
     got = drain(engine)
     assert got[("bad", 1)][-1].finish_reason == FinishReason.ERROR
@@ -144,6 +144,29 @@ def test_a_request_that_cannot_even_be_ended_is_dropped(engine, monkeypatch):
     add_request(engine, "bad", prompt(2), GREEDY, stream=False)
     add_request(engine, "good", prompt(1), GREEDY)
     assert_only_bad_failed(drain(engine), want, "detokenizing")
+
+
+def test_a_request_whose_blocks_fail_to_free_still_ends_for_its_client(engine, monkeypatch):
+    """The request has ended (its last token sampled) when freeing its blocks raises: its
+    client gets its final delta, once, and the engine goes on."""
+    kept, real = [], engine.block_manager.free
+
+    def free(req):
+        if req.group_id == "bad" and req.is_finished:
+            kept.append(req)
+            raise RuntimeError("injected fault")
+        real(req)
+    want = clean_run(engine)
+    monkeypatch.setattr(engine.block_manager, "free", free)
+    add_request(engine, "bad", prompt(2), GREEDY)
+    add_request(engine, "good", prompt(1), GREEDY)
+    got = drain(engine)
+    monkeypatch.undo()
+    for req in kept:   # what the fault left held
+        real(req)
+    ends = [d.finish_reason for d in got[("bad", 0)] if d.finish_reason is not None]
+    assert ends == [FinishReason.LENGTH] and len(tokens(got[("bad", 0)])) == 6
+    assert tokens(got[("good", 0)]) == want
 
 
 def test_no_exception_escapes_step(engine, monkeypatch):
@@ -176,10 +199,12 @@ def test_the_input_handler_answers_a_request_it_cannot_admit(engine):
     """Whatever add_request raises for one request (here: params that are no
     SamplingParams) becomes that request's error; the step loop goes on."""
     deltas: list[CompletionDelta] = []
-    bad = EngineRequest("bad", None, 9)
-    process._handle(engine, (bad, memoryview(prompt(2).array).cast("B"), time.time()), deltas)
-    process._handle(engine, (EngineRequest("good", GREEDY, 9),
-                             memoryview(prompt(1).array).cast("B"), time.time()), deltas)
+    bad = EngineRequest(request_id="bad", params=None, prompt_len=9)
+    bad.take_tokens(memoryview(prompt(2).array).cast("B"), time.time())
+    good = EngineRequest.build("good", prompt(1), GREEDY)
+    good.take_tokens(good.token_bytes(), time.time())
+    process._handle(engine, bad, deltas)
+    process._handle(engine, good, deltas)
     assert [(d.request_id, d.index, d.finish_reason) for d in deltas] == [
         ("bad", -1, FinishReason.ERROR)]
     assert "could not admit" in deltas[0].error
@@ -234,7 +259,7 @@ def test_an_input_that_fails_to_decode_answers_each_request_it_names(zmq_pair, e
     push.bind(addr)
     in_q = queue.Queue()
     threading.Thread(target=process._recv_loop, args=(ctx, addr, in_q), daemon=True).start()
-    good = EngineRequest("good", GREEDY, 9)
+    good = EngineRequest.build("good", prompt(1), GREEDY)
     garbled = {"request_id": "bad", "params": {"temperature": "hot"}, "prompt_len": 2}
     refused = {"request_id": "refused", "params": {"seed": 2**64 - 1}, "prompt_len": 1}
     header = msgspec.msgpack.encode({"type": "add", "requests": [
@@ -251,9 +276,9 @@ def test_an_input_that_fails_to_decode_answers_each_request_it_names(zmq_pair, e
     got = drain(engine)   # the request that decoded alone is served
     assert got[("good", 0)][-1].finish_reason == FinishReason.LENGTH
     assert tokens(got[("good", 0)]) == clean_run(engine)
-    push.send(pack_input(msgspec.msgpack.encode(AddRequests([EngineRequest("next", GREEDY, 9)])),
-                         [prompt(1).array.tobytes()]))
-    assert in_q.get(timeout=30)[0].request_id == "next"   # the thread still reads
+    push.send(pack_input(msgspec.msgpack.encode(AddRequests([EngineRequest.build(
+        "next", prompt(1), GREEDY)])), [prompt(1).array.tobytes()]))
+    assert in_q.get(timeout=30).request_id == "next"   # the thread still reads
 
 
 def test_the_reported_request_no_longer_takes_a_worker_down():

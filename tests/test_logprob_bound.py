@@ -110,11 +110,11 @@ class _Engine:
         self.ready = EngineReady("tiny", "float32", vocab_size=100, max_model_len=100_000,
                                  num_blocks=1, block_size=16)
 
-    async def generate(self, request, prompt, resumed=None):
+    async def generate(self, request):
         top = [(i, -1.0 - i) for i in range(20)]
         yield CompletionDelta(request.request_id, 0, [7] * self.tokens, "x" * self.tokens,
                               logprobs=[Logprob(7, -0.5, 1, top)] * self.tokens,
-                              finish_reason=1, num_prompt_tokens=len(prompt))
+                              finish_reason=1, num_prompt_tokens=len(request.prompt))
 
 
 def _built_in_pool(tokens: int) -> bool:
@@ -129,8 +129,10 @@ def _built_in_pool(tokens: int) -> bool:
     req = decode_chat_request(json.dumps({"messages": CHAT, "logprobs": True, "top_logprobs": 20,
                                           "max_tokens": tokens}).encode())
     http = SimpleNamespace(header=lambda name: None)
-    resp = asyncio.run(GenerateHandlers(server)._respond(
-        http, req, [PromptTokens.from_list([1, 2, 3])], req.sampling_params(), (), 0.0))
+    handlers = GenerateHandlers(server)
+    requests = handlers._engine_requests(http, req, [PromptTokens.from_list([1, 2, 3])],
+                                         req.sampling_params(), None)
+    resp = asyncio.run(handlers._respond(http, req, requests, (), 0.0))
     assert len(json.loads(resp.body)["choices"][0]["logprobs"]["content"]) == tokens
     return bool(pooled)
 

@@ -29,7 +29,6 @@ from splitserve.model.llama import build_model
 from splitserve.model.loader import ModelSource, load_model_source
 from splitserve.protocol.engine import CompletionDelta, EngineRequest
 from splitserve.protocol.prompts import check_prompt
-from splitserve.tokens import PromptTokens
 
 logger = logging.getLogger(__name__)
 
@@ -52,29 +51,27 @@ class EngineCore(FailureHandling):
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.runner = ModelRunner(model, cfg, num_blocks, block_size, config.torch_dtype)
         self.sampler = Sampler(cfg.vocab_size, seed=config.seed)
-        self.groups: dict[str, list[Request]] = {}
         self.pending: list[CompletionDelta] = []   # deltas produced between steps (aborts)
         self._batch: list[Request] = []            # the running step's requests
         self.remote_kv = RemoteKV(config.kv, self.block_manager, self.runner.kv_cache, cfg,
                                   config.torch_dtype)
-        self.output = OutputBuilder(self.tokenizer, self.scheduler, self.block_manager,
-                                    self.runner, self.remote_kv, self.groups)
+        self.output = OutputBuilder(self.tokenizer)
         logger.info("engine: %s %s, %d KV blocks of %d tokens, max_model_len %d", cfg.name,
                     str(config.torch_dtype).removeprefix("torch."), num_blocks, block_size,
                     self.max_model_len)
 
     # -- requests in ----------------------------------------------------------------------
-    def add_request(self, request: EngineRequest, prompt: PromptTokens,
-                    resumed: np.ndarray | None = None, received_time: float | None = None) -> None:
+    def add_request(self, request: EngineRequest) -> None:
         """Validate and queue; raises InvalidRequestError naming the problem. Any other
         failure ends the request with an error delta from the next step().
-        prompt: its request.prompt_len tokens (a placeholder: only their number); resumed:
-        the request.num_resumed output tokens another worker already streamed (mid-stream
-        migration): they are recomputed with the prompt and the request continues after them.
-        stream=False: each sequence yields one delta, when it finishes, holding everything it
-        generated (its first-token fields and first_token_time included)."""
+        request.prompt: its prompt_len tokens (a placeholder: only their number);
+        request.resumed: the num_resumed output tokens another worker already streamed
+        (mid-stream migration): they are recomputed with the prompt and the request continues
+        after them. stream=False: each sequence yields one delta, when it finishes, holding
+        everything it generated (its first-token fields and first_token_time included)."""
         rid, params, remote = request.request_id, request.params, request.remote
-        if rid in self.groups:
+        prompt, resumed = request.prompt, request.resumed
+        if rid in self.scheduler.groups:
             raise InvalidRequestError(f"request id {rid!r} is already in use", "request_id")
         check_prompt(prompt, params, self.model_config.vocab_size, self.max_model_len)
         if request.disaggregated and params.n > 1:
@@ -90,10 +87,10 @@ class EngineCore(FailureHandling):
         if prompt.is_placeholder:
             check_length_only(params, remote)
         if resumed is not None:
-            check_resumed(prompt, params, resumed, request.disaggregated,
+            check_resumed(prompt, params, resumed.array, request.disaggregated,
                           self.model_config.vocab_size, self.max_model_len)
         try:
-            self._admit(request, prompt, resumed, received_time, hashes)
+            self._admit(request, hashes)
         except Exception:   # a bug admitting one request ends that request, not the engine
             logger.exception("engine: admitting request %s failed", rid)
             self._discard_group(rid)
@@ -101,11 +98,11 @@ class EngineCore(FailureHandling):
                 rid, -1, [], "", finish_reason=int(FinishReason.ERROR),
                 error="internal error while admitting the request"))
 
-    def _admit(self, request: EngineRequest, prompt: PromptTokens, resumed: np.ndarray | None,
-               received_time: float | None, hashes: list[bytes] | None) -> None:
+    def _admit(self, request: EngineRequest, hashes: list[bytes] | None) -> None:
         """The request's n sequences: the leader (index 0) holds the others until it forks
-        them after its prefill (output.py)."""
+        them after its prefill (queues.py)."""
         rid, params, n = request.request_id, request.params, request.params.n
+        prompt, resumed, received_time = request.prompt, request.resumed, request.received
         eos = () if params.ignore_eos else self.model_config.eos_token_ids
         root = request.hash_root
         siblings = [Request(f"{rid}#{i}", prompt, sibling_params(params, i), eos,
@@ -119,22 +116,37 @@ class EngineCore(FailureHandling):
                          resumed=None if resumed is None else resumed.tolist())
         leader.pull_prompt = prompt.is_placeholder and reads_prompt(params, request.prompt_back)
         leader.prompt_back = leader.pull_prompt and request.prompt_back
-        children = self.groups[rid] = [leader, *siblings]
+        self.scheduler.add(leader)
         # Final-only output, except for sequences with generation logprobs: held, their
         # deltas grow to the whole response's logprobs (2^20 entries at the bound), which the
         # front-end decodes as one message on its event loop (~1 s); per step, k + 1 each.
         if not request.stream and params.logprobs is None:
-            for req in children:
+            for req in (leader, *siblings):
                 self.output.send_whole(req)
         if resumed is not None:   # its text was sent already: the detokenizer reads it silently
             self.output.detokenizer(leader).step(leader.output_token_ids)
-        self.scheduler.add(leader)
 
     def abort_request(self, request_id: str) -> None:
-        for req in self.groups.get(request_id, ()):
+        for req in self.scheduler.groups.get(request_id, ()):
             if not req.is_finished:
-                self._guard(req, self.pending, "aborting", self.output.finish, req, FinishReason.ABORT,
+                self._guard(req, self.pending, "aborting", self._finish, req, FinishReason.ABORT,
                             self.pending)
+
+    def _finish(self, req: Request, reason: FinishReason, out: list[CompletionDelta],
+                delta: CompletionDelta | None = None, error: str | None = None) -> None:
+        """req ends (and its never-forked siblings with it): their final deltas are built
+        first, so a failure building one changes no state; then the scheduler ends them."""
+        deltas = [self.output.final_delta(sib, reason, error=error) for sib in req.siblings]
+        deltas.append(self.output.final_delta(req, reason, delta, error))
+        try:
+            self.scheduler.finish(req, reason, error)
+        finally:   # ended even if freeing its blocks failed: its client hears so
+            out.extend(deltas)
+
+    @property
+    def groups(self) -> dict[str, list[Request]]:
+        """Every unfinished request's sequences, by request id (the scheduler's)."""
+        return self.scheduler.groups
 
     # -- the step -------------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
@@ -159,11 +171,11 @@ class EngineCore(FailureHandling):
     def _step(self, out: list[CompletionDelta]) -> None:
         self._poll_remote_kv(out)
         sched = self.scheduler.schedule()
-        self._batch = [req for req, _ in sched.scheduled] + sched.pulls
+        self._batch = [*sched.scheduled, *sched.pulls]
         for req in sched.pulls:
             self._guard(req, out, "starting its KV transfer", self.remote_kv.start_pull, req)
         for req in sched.starved:
-            self.output.finish(req, FinishReason.ERROR, out, error="out of KV cache blocks")
+            self._finish(req, FinishReason.ERROR, out, error="out of KV cache blocks")
         for req in sched.failed:
             self._fail(req, out, "scheduling")
         if not sched:
@@ -172,18 +184,14 @@ class EngineCore(FailureHandling):
             result = self.runner.execute(sched.scheduled)
         except Exception:   # one bad batch ends its requests, not the engine
             logger.exception("engine: the model's forward pass failed")
-            self._fail_all([req for req, _ in sched.scheduled], out, "running the model")
+            self._fail_all(list(sched.scheduled), out, "running the model")
             return
-        for req, n in sched.scheduled:
-            self._guard(req, out, "caching its KV blocks", self._computed, req, n)
+        for req, n in sched.scheduled.items():
+            self._guard(req, out, "caching its KV blocks", self.scheduler.computed, req, n)
         for req, start, logits in result.prompt_logits.values():
             self._guard(req, out, "computing prompt logprobs", self._record_prompt_logprobs,
                         req, start, logits)
         self._sample(result, out)
-
-    def _computed(self, req: Request, n: int) -> None:
-        req.num_computed_tokens += n
-        self.block_manager.cache_full_blocks(req)
 
     def _record_prompt_logprobs(self, req: Request, start: int, logits: torch.Tensor) -> None:
         if req.prompt_logprobs is None:
@@ -218,14 +226,25 @@ class EngineCore(FailureHandling):
                              len(requests))
             picks = self._sample_each(logits, requests, out)
         for req, token, logprob in picks:
-            self._guard(req, out, "detokenizing", self.output.append_token, req, token, logprob,
-                        out)
+            self._guard(req, out, "detokenizing", self._on_token, req, token, logprob, out)
+
+    def _on_token(self, req: Request, token: int, logprob, out: list[CompletionDelta]) -> None:
+        """The output builder makes the token's delta; the scheduler records the token and
+        says whether req ends with it (a context_only request hands its KV off here)."""
+        delta, stop_string = self.output.token_delta(req, token, logprob)
+        reason = self.scheduler.append_token(req, token, stop_string)
+        if reason is None:
+            self.output.emit(req, delta, out)
+            return
+        if reason == FinishReason.HANDOFF:
+            delta.kv_handle = self.remote_kv.lease(req)
+        self._finish(req, reason, out, delta)
 
     def _fork_siblings(self, leader: Request, out: list[CompletionDelta]) -> list[Request]:
         """n > 1: the siblings forked from the leader after its prefill, each guarded alone."""
-        siblings, leader.siblings = leader.siblings, []
-        return [sib for sib in siblings
-                if self._guard(sib, out, "forking", self.output.fork, leader, sib)]
+        return [sib for sib in self.scheduler.release_siblings(leader)
+                if self._guard(sib, out, "forking", self.scheduler.fork, leader, sib,
+                               self.runner.copy_block)]
 
     def _sample_each(self, logits: torch.Tensor, requests: list[Request],
                      out: list[CompletionDelta]) -> list[tuple[Request, int, object]]:
@@ -242,25 +261,19 @@ class EngineCore(FailureHandling):
             self._guard(req, out, "receiving its KV", self._kv_arrived, req, result, out)
 
     def _kv_arrived(self, req: Request, result, out: list[CompletionDelta]) -> None:
-        if req.is_finished:            # aborted while its KV was arriving
-            self.block_manager.free(req)
+        if not self.scheduler.pull_ended(req):   # aborted while its KV was arriving
             return
         req.kv_transfer_time = result.seconds
         if not result.ok:
-            self.output.finish(req, FinishReason.ERROR, out, error=f"KV transfer from the context "
+            self._finish(req, FinishReason.ERROR, out, error=f"KV transfer from the context "
                          f"worker failed: {result.error}")
             return
-        remote, bm = req.remote, self.block_manager
+        remote = req.remote
         self.scheduler.kv_arrived(req)
-        # Filed in the prefix cache under the hashes admission checked against the handle's
-        # prompt digest (a length-only prompt is never cached).
-        assert (req.prompt.is_placeholder or
-                len(req.block_hashes) >= req.num_prompt_tokens // bm.block_size)
-        bm.cache_full_blocks(req)
         lps = remote.first_gen_logprobs or [None] * len(remote.first_gen_tokens)
         for token, lp in zip(remote.first_gen_tokens, lps):
             if not req.is_finished:
-                self.output.append_token(req, token, lp, out)
+                self._on_token(req, token, lp, out)
 
     # -- introspection --------------------------------------------------------------------
     @property

@@ -1,14 +1,14 @@
 """How EngineCore ends one request that failed, so that nothing else does.
 
-A mixin of EngineCore: it uses the engine's groups, scheduler and output (OutputBuilder).
-Every method runs on the engine thread.
+A mixin of EngineCore: it uses the engine's scheduler (which changes the request's state)
+and output (OutputBuilder). Every method runs on the engine thread.
 """
 
 from __future__ import annotations
 
 import logging
 
-from splitserve.engine.request import FinishReason, Request, RequestStatus
+from splitserve.engine.request import FinishReason, Request
 from splitserve.protocol.engine import CompletionDelta
 
 logger = logging.getLogger("splitserve.engine.core")
@@ -17,8 +17,8 @@ logger = logging.getLogger("splitserve.engine.core")
 class FailureHandling:
     def _discard_group(self, request_id: str) -> None:
         """Forget a group that never fully entered the engine, freeing whatever it took."""
-        for req in self.groups.pop(request_id, ()):
-            self._forget(req)
+        for req in self.scheduler.discard_group(request_id):
+            self.output.forget(req)
 
     def _guard(self, req: Request, out: list[CompletionDelta], doing: str, fn, *args):
         """fn(*args); if it raises, req ends with an error and the result is None."""
@@ -34,10 +34,11 @@ class FailureHandling:
             return
         error = f"internal error while {doing} (see the worker's log)"
         try:
-            self.output.finish(req, FinishReason.ERROR, out, error=error)
-        except Exception:   # its state is beyond repair: forget it without its bookkeeping
+            self._finish(req, FinishReason.ERROR, out, error=error)
+        except Exception:
             logger.exception("engine: ending request %s failed", req.request_id)
-            self._drop(req, out, error)
+            if not req.is_finished:   # beyond repair: forget it without its bookkeeping
+                self._drop(req, out, error)   # (else it ended and was told; freeing failed)
 
     def _fail_all(self, requests: list[Request], out: list[CompletionDelta],
                   doing: str = "running the engine's step") -> None:
@@ -45,19 +46,9 @@ class FailureHandling:
             self._fail(req, out, doing)
 
     def _drop(self, req: Request, out: list[CompletionDelta], error: str) -> None:
-        for r in (req, *req.siblings):
-            self._forget(r)
+        """req (and its never-forked siblings) leave without their bookkeeping: each gets
+        a bare error delta."""
+        for r in self.scheduler.drop(req):
+            self.output.forget(r)
             out.append(CompletionDelta(r.group_id, r.index, [], "", error=error,
                                        finish_reason=int(FinishReason.ERROR)))
-        req.siblings = []
-        if all(r.is_finished for r in self.groups.get(req.group_id, ())):
-            self.groups.pop(req.group_id, None)
-
-    def _forget(self, req: Request) -> None:
-        """Take req out of every structure and free its blocks, without finishing it."""
-        req.status = RequestStatus.FINISHED_ERROR
-        self.output.forget(req)
-        try:
-            self.scheduler.remove(req)
-        except Exception:
-            logger.exception("engine: request %s's blocks could not be freed", req.request_id)

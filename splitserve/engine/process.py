@@ -33,7 +33,6 @@ from splitserve.errors import InvalidRequestError
 from splitserve.protocol.engine import (
     AbortRequests, CompletionDelta, EngineDead, EngineOutputs, EngineReady, EngineRequest,
     EngineStats, PeerGone, Shutdown)
-from splitserve.tokens import PromptTokens
 
 logger = logging.getLogger(__name__)
 
@@ -166,7 +165,7 @@ def _route(engine: EngineCore, router: OutputRouter, out_q: queue.Queue, deltas,
 
 def _handle(engine: EngineCore, item, deltas: list[CompletionDelta],
             router: OutputRouter | None = None) -> None:
-    """item: an input message, or (request, its token bytes, received[, peer])."""
+    """item: an input message, or an EngineRequest with its tokens (take_tokens())."""
     try:
         if isinstance(item, AbortRequests):
             for rid in item.request_ids:
@@ -180,33 +179,23 @@ def _handle(engine: EngineCore, item, deltas: list[CompletionDelta],
         elif isinstance(item, _Unreadable):
             deltas.append(item.delta())
         else:
-            if len(item) == 4 and router is not None:
-                router.admit(item[0].request_id, item[3])
-            _add(engine, *item[:3], deltas)
+            if router is not None:
+                router.admit(item.request_id, item.peer)
+            _add(engine, item, deltas)
     except Exception:   # one message must not end the step loop
         logger.exception("engine: handling an input message failed")
-        if isinstance(item, tuple):
-            deltas.append(_internal_error(item[0].request_id, "could not admit the request"))
+        if isinstance(item, EngineRequest):
+            deltas.append(_internal_error(item.request_id, "could not admit the request"))
 
 
-def _add(engine: EngineCore, msg: EngineRequest, frame, received: float,
-         deltas: list[CompletionDelta]) -> None:
-    """frame: its token ids' bytes, as split_prompts cut them to its declared lengths."""
+def _add(engine: EngineCore, request: EngineRequest, deltas: list[CompletionDelta]) -> None:
     try:
-        if frame is None:
+        if request.prompt is None:   # split_prompts found no bytes of its declared lengths
             raise InvalidRequestError("the engine received a batch whose prompt bytes do not "
                                       "match its prompt lengths", "prompt_len")
-        tokens = PromptTokens.from_bytes(frame)
-        resumed = None
-        if msg.placeholder:
-            prompt = PromptTokens.placeholder(msg.prompt_len)
-        else:
-            prompt = PromptTokens(tokens.array[:msg.prompt_len])
-        if msg.num_resumed:
-            resumed = tokens.array[len(tokens) - msg.num_resumed:]
-        engine.add_request(msg, prompt, resumed, received)
+        engine.add_request(request)
     except InvalidRequestError as exc:
-        deltas.append(_rejected(msg.request_id, exc))
+        deltas.append(_rejected(request.request_id, exc))
 
 
 def _stats(engine: EngineCore) -> EngineStats:

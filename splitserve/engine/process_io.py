@@ -78,12 +78,10 @@ def _receive(buf: memoryview, decoder: msgspec.msgpack.Decoder, in_q: queue.Queu
         return
     if not isinstance(msg, AddRequests):
         in_q.put(msg)
-    elif msg.peer == 0:
-        for req, frame in zip(msg.requests, split_prompts(msg.requests, prompts)):
-            in_q.put((req, frame, received))
-    else:
-        for req, frame in zip(msg.requests, split_prompts(msg.requests, prompts)):
-            in_q.put((req, frame, received, msg.peer))
+        return
+    for req, frame in zip(msg.requests, split_prompts(msg.requests, prompts)):
+        req.take_tokens(frame, received, msg.peer)
+        in_q.put(req)
 
 
 def _receive_leniently(header: memoryview, prompts: memoryview, received: float,
@@ -97,7 +95,8 @@ def _receive_leniently(header: memoryview, prompts: memoryview, received: float,
     frames = split_prompts([named for named, _ in requests], prompts)
     for (named, req), frame in zip(requests, frames):
         if isinstance(req, EngineRequest):
-            in_q.put((req, frame, received))
+            req.take_tokens(frame, received)
+            in_q.put(req)
         else:
             in_q.put(_Unreadable(named.request_id, req))
 

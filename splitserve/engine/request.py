@@ -52,8 +52,9 @@ _FINISHED_STATUS = {reason: status for status, reason in _FINISH.items()}
 
 
 class Request:
-    """Owned by the engine core. The scheduler moves it between queues; the block manager
-    owns `block_ids` (an int64 array, replaced when it grows, never written in place); the
+    """One sequence, owned by the engine core. The scheduler changes its state (status,
+    queue, computed and output tokens, forks, endings: queues.py); the block manager owns
+    `block_ids` (an int64 array, replaced when it grows, never written in place); the
     sampler reads `params`, `generator` and the token history."""
 
     def __init__(self, request_id: str, prompt: PromptTokens, params: SamplingParams,
@@ -130,6 +131,10 @@ class Request:
     @property
     def finish_reason(self) -> FinishReason | None:
         return _FINISH.get(self.status)
+
+    def is_stop_token(self, token: int) -> bool:
+        """EOS (unless ignore_eos) or one of params.stop_token_ids: ends it, adds no text."""
+        return token in self.eos_token_ids or token in self.params.stop_token_ids
 
     def token_slice(self, start: int, end: int) -> np.ndarray:
         """int32 token ids at positions [start, end) of prompt + output."""

@@ -50,10 +50,11 @@ class ModelRunner:
         self.kv_cache[dst] = self.kv_cache[src]
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[tuple[Request, int]]) -> StepResult:
-        """scheduled: (request, number of new tokens), single-token rows first."""
+    def execute(self, scheduled: dict[Request, int]) -> StepResult:
+        """scheduled: request -> its number of new tokens, single-token rows first
+        (SchedulerOutput.scheduled)."""
         ids, positions, decodes, prefills = [], [], [], []
-        for req, n in scheduled:
+        for req, n in scheduled.items():
             start = req.num_computed_tokens
             ids.append(req.token_slice(start, start + n))
             positions.append(np.arange(start, start + n, dtype=np.int64))
@@ -67,9 +68,9 @@ class ModelRunner:
         hidden = self.model(input_ids, torch.from_numpy(np.concatenate(positions)), self.kv_cache, meta)
         return self._logits(scheduled, hidden)
 
-    def _logits(self, scheduled, hidden: torch.Tensor) -> StepResult:
+    def _logits(self, scheduled: dict[Request, int], hidden: torch.Tensor) -> StepResult:
         rows, sample_requests, prompt_logits, offset = [], [], {}, 0
-        for req, n in scheduled:
+        for req, n in scheduled.items():
             start = req.num_computed_tokens
             if start + n == req.num_tokens:
                 rows.append(offset + n - 1)

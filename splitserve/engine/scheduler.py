@@ -5,26 +5,31 @@ decode needs one token; an unfinished prefill takes the next chunk), then waitin
 in arrival order. When blocks run out, the most recently admitted running request is
 preempted: its blocks are freed and it is recomputed later (prefix caching usually gives
 most of them back).
+
+The scheduler is the one owner of a request's state (queues.py: its status, its
+queue, its tokens and blocks, forks and endings); the engine core, the output builder and
+the failure handling ask it to change what they need changed.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 from splitserve.config import SchedulerConfig
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.request import NO_BLOCKS, Request, RequestStatus
+from splitserve.engine.queues import RequestQueues
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class SchedulerOutput:
-    # Decodes (one token each) first, then prefill chunks: the order the runner batches in.
-    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    # request -> its new tokens this step, in the order the runner batches them: decodes
+    # (one token each) first, then prefill chunks.
+    scheduled: dict[Request, int] = field(default_factory=dict)
     preempted: list[Request] = field(default_factory=list)
     pulls: list[Request] = field(default_factory=list)   # blocks allocated: start their KV pull
     starved: list[Request] = field(default_factory=list)  # no block, nobody to preempt: fail them
@@ -32,29 +37,27 @@ class SchedulerOutput:
 
     @property
     def num_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
+        return sum(self.scheduled.values())
 
     def __bool__(self) -> bool:
         return bool(self.scheduled)
 
 
-class Scheduler:
+class Scheduler(RequestQueues):
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+        super().__init__(block_manager)
         self.config = config
-        self.bm = block_manager
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
-        self.transferring: list[Request] = []   # WAITING_FOR_REMOTE_KV
-
-    def add(self, req: Request) -> None:
-        self.waiting.append(req)
 
     def schedule(self) -> SchedulerOutput:
+        """This step's batch. Moves waiting requests into running (or, generation_only,
+        transferring: their KV pull starts) and preempts running ones when blocks run out;
+        nothing else changes until the engine reports the step (computed(), append_token())."""
         out = SchedulerOutput()
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted:
             self._schedule_waiting(out, budget)
-        out.scheduled.sort(key=lambda item: item[1] > 1)   # stable: single-query rows first
+        # stable: single-query rows first
+        out.scheduled = dict(sorted(out.scheduled.items(), key=lambda item: item[1] > 1))
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -76,7 +79,7 @@ class Scheduler:
                 if req in out.failed:
                     self.running.pop(i)
                     continue
-                out.scheduled.append((req, n))
+                out.scheduled[req] = n
                 budget -= n
             i += 1
         if stuck and not out.scheduled:
@@ -142,7 +145,7 @@ class Scheduler:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()
             self.running.append(req)
-            out.scheduled.append((req, n))
+            out.scheduled[req] = n
             budget -= n
 
     def _cached_prefix(self, req: Request, out: SchedulerOutput, find=None):
@@ -160,35 +163,10 @@ class Scheduler:
     def _num_admitted(self) -> int:
         return len(self.running) + len(self.transferring)
 
-    def kv_arrived(self, req: Request) -> None:
-        """The pulled KV is in req's blocks: it decodes from here like any running request."""
-        self.transferring.remove(req)
-        req.remote = None
-        req.num_computed_tokens = req.num_prompt_tokens
-        req.status = RequestStatus.RUNNING
-        self.running.append(req)
-
     def _preempt(self, req: Request) -> None:
+        """req (already out of running) gives its blocks back and waits, first in line, to
+        be recomputed."""
         self.bm.free(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(req)
-
-    def remove(self, req: Request) -> None:
-        """Take a finished or aborted request out of whichever queue holds it; free its blocks."""
-        if req in self.running:
-            self.running.remove(req)
-        elif req in self.waiting:
-            self.waiting.remove(req)
-        elif req in self.transferring:
-            self.transferring.remove(req)
-        if not req.pulling:   # else the pull still writes its blocks: freed when it ends
-            self.bm.free(req)
-
-    @property
-    def num_running(self) -> int:
-        return len(self.running)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)

@@ -1,14 +1,15 @@
 """Messages between a worker's front-end and its engine-core process (ZeroMQ, msgpack).
 
-Prompt token ids never ride inside these Structs: every message to the engine travels as one
-ZeroMQ frame (pack_input): the encoded message, then, for AddRequests, the raw little-endian
-int32 token ids of its requests (a length-only placeholder prompt sends none), back to back.
+Prompt token ids never ride inside the encoded Structs: every message to the engine travels
+as one ZeroMQ frame (pack_input): the encoded message, then, for AddRequests, the raw
+little-endian int32 token ids of its requests (a length-only placeholder prompt sends none),
+back to back.
 
-The per-request Structs are gc=False: they hold plain data and never take part in a
-reference cycle, so the garbage collector need not walk the thousands that requests in
-flight keep alive. (With 1024 requests held decoding, its full passes stalled the
-front-end's event loop for ~86 ms; this and the engine's final-only output for responses
-sent whole brought them to ~20 ms.)"""
+The per-request Structs (EngineRequest excepted: it holds its tokens) are gc=False: they
+hold plain data and never take part in a reference cycle, so the garbage collector need not
+walk the thousands that requests in flight keep alive. (With 1024 requests held decoding,
+its full passes stalled the front-end's event loop for ~86 ms; this and the engine's
+final-only output for responses sent whole brought them to ~20 ms.)"""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import msgspec
 from splitserve.errors import InvalidRequestError
 from splitserve.protocol.block_hashes import HASH_BYTES
 from splitserve.sampling_params import SamplingParams
+from splitserve.tokens import PromptTokens
 
 
 class Logprob(msgspec.Struct, array_like=True, gc=False):
@@ -120,9 +122,17 @@ class FinishReason(enum.IntEnum):
         return self.name.lower()
 
 
-class EngineRequest(msgspec.Struct, gc=False):
-    """One request as the front-end built it, checked, and the engine takes it: the engine
-    builds its Request(s) from this and the token ids that follow it in the frame."""
+class EngineRequest(msgspec.Struct, kw_only=True, dict=True):
+    """One request as the front-end built it (build(), the one place, used by the front-end,
+    `LLM` and `bench engine`), checked, and the engine takes it: the engine builds its
+    Request(s) from this.
+
+    Its token ids belong to it in-process (`prompt`, `resumed`) but never ride inside the
+    encoded message: they cross the wire as the int32 bytes after it (token_bytes(),
+    pack_input) and the engine's input thread cuts them back out (take_tokens()). They live
+    in the instance's __dict__ (dict=True), which msgspec never encodes. (msgspec allows a
+    __dict__ only with gc tracking: unlike the other per-request Structs here, one that
+    holds its prompt is tracked; a request in flight keeps one.)"""
     request_id: str
     params: SamplingParams
     prompt_len: int
@@ -140,6 +150,13 @@ class EngineRequest(msgspec.Struct, gc=False):
     # where its chained block hashes start. The salt itself never reaches the engine.
     hash_root: bytes = b""
 
+    # In-process only, never encoded (class defaults until an instance sets its own).
+    prompt = None      # PromptTokens (a placeholder for a length-only prompt); None in the
+                       # engine when its frame's bytes did not add up
+    resumed = None     # PromptTokens: the num_resumed output tokens, or None
+    received = None    # engine: wall clock its input thread took it in (None: now)
+    peer = 0           # engine: the front-end that sent it (AddRequests.peer)
+
     def __post_init__(self):
         if (self.kind == RequestKind.GENERATION_ONLY) != (self.remote is not None):
             raise InvalidRequestError("a generation_only request, and only one, carries the "
@@ -147,6 +164,41 @@ class EngineRequest(msgspec.Struct, gc=False):
         if len(self.hash_root) not in (0, HASH_BYTES):
             raise InvalidRequestError(f"hash_root must be empty or {HASH_BYTES} bytes",
                                       "cache_salt")
+
+    @classmethod
+    def build(cls, request_id: str, prompt: PromptTokens, params: SamplingParams, *,
+              kind: RequestKind = RequestKind.AGGREGATED, remote: RemotePrefill | None = None,
+              stream: bool = True, resumed: PromptTokens | None = None,
+              prompt_back: bool = False, hash_root: bytes = b"") -> EngineRequest:
+        """The request with its tokens; the lengths the message declares are theirs, so
+        the frame always adds up."""
+        request = cls(request_id=request_id, params=params, prompt_len=len(prompt),
+                      placeholder=prompt.is_placeholder, kind=kind, remote=remote,
+                      stream=stream, num_resumed=0 if resumed is None else len(resumed),
+                      prompt_back=prompt_back, hash_root=hash_root)
+        request.prompt, request.resumed = prompt, resumed
+        return request
+
+    def token_bytes(self) -> memoryview | bytes:
+        """What follows the message in its frame: the prompt's int32 bytes (none for a
+        placeholder), then the resumed output's. Zero-copy unless there is resumed output."""
+        frame = b"" if self.placeholder else memoryview(self.prompt.array).cast("B")
+        if self.resumed is not None:
+            frame = bytes(frame) + memoryview(self.resumed.array).cast("B")
+        return frame
+
+    def take_tokens(self, frame: memoryview | None, received: float, peer: int = 0) -> None:
+        """The engine's input thread: its tokens from the bytes split_prompts cut for it
+        (None when its batch's bytes did not add up: `prompt` stays None, and the engine
+        refuses it), with when and from which front-end it came."""
+        self.received, self.peer = received, peer
+        if frame is None:
+            return
+        tokens = PromptTokens.from_bytes(frame).array
+        self.prompt = (PromptTokens.placeholder(self.prompt_len) if self.placeholder
+                       else PromptTokens(tokens[:self.prompt_len]))
+        if self.num_resumed:
+            self.resumed = PromptTokens(tokens[len(tokens) - self.num_resumed:])
 
     @property
     def num_tokens(self) -> int:

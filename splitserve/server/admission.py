@@ -19,10 +19,11 @@ def request_kind(req) -> RequestKind:
 
 def engine_requests(req, rid: str, prompts: list[PromptTokens], params: SamplingParams,
                     ready: EngineReady, remote: RemotePrefill | None = None,
-                    hash_root: bytes = b"") -> tuple[list[EngineRequest], PromptTokens | None]:
-    """One EngineRequest per prompt (ids rid, or rid-0, rid-1, ... for several), once every
-    check that names a client's parameter passed; and the resumed output, if any.
-    hash_root: the salted root every prompt's block hashes start from."""
+                    hash_root: bytes = b"") -> list[EngineRequest]:
+    """One EngineRequest per prompt, holding it (and the resumed output, if any), once
+    every check that names a client's parameter passed. Their ids: rid, rid-1, rid-2, ...
+    (the response's id is the first one's). hash_root: the salted root every prompt's block
+    hashes start from."""
     check_prompts(prompts, params, ready)
     check_logprobs(req, prompts, params, ready.max_model_len)
     kind = request_kind(req)
@@ -31,13 +32,12 @@ def engine_requests(req, rid: str, prompts: list[PromptTokens], params: Sampling
     if kind == RequestKind.CONTEXT_ONLY and req.stream:
         raise InvalidRequestError("a context_only request cannot stream", "stream")
     resumed = resumed_output(req, prompts, params)
-    n_resumed = 0 if resumed is None else len(resumed)
     # echo of a length-only prompt: its ids come back from the engine (with its KV)
     back = prompts[0].is_placeholder and bool(getattr(req, "echo", False))
-    return [EngineRequest(rid if len(prompts) == 1 else f"{rid}-{i}", params, len(p),
-                          p.is_placeholder, kind, remote, bool(req.stream), n_resumed,
-                          prompt_back=back, hash_root=hash_root)
-            for i, p in enumerate(prompts)], resumed
+    return [EngineRequest.build(f"{rid}-{i}" if i else rid, p, params,
+                                kind=kind, remote=remote, stream=bool(req.stream),
+                                resumed=resumed, prompt_back=back, hash_root=hash_root)
+            for i, p in enumerate(prompts)]
 
 
 def check_prompts(prompts: list[PromptTokens], params: SamplingParams, ready: EngineReady) -> None:

@@ -23,7 +23,6 @@ from splitserve.protocol.engine import (
     EngineRequest, EngineStats, KVBlocks, pack_input)
 from splitserve.server.delta_queue import DeltaQueue
 from splitserve.server.engine_process import EngineDeadError, EngineSockets
-from splitserve.tokens import PromptTokens
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +44,7 @@ class EngineLink:
         self.peer_reports: dict = {}   # the other front-ends' last FrontendReport, by number
         self._last_step = time.monotonic()
         self._encoder = msgspec.msgpack.Encoder()
-        self._outbox: list[tuple[EngineRequest, memoryview | bytes]] = []
+        self._outbox: list[EngineRequest] = []
 
     @property
     def healthy(self) -> bool:
@@ -126,21 +125,17 @@ class EngineLink:
             q.fail(message)
 
     # -- requests -------------------------------------------------------------------------
-    async def generate(self, request: EngineRequest, prompt: PromptTokens,
-                       resumed: PromptTokens | None = None) -> AsyncIterator[CompletionDelta]:
+    async def generate(self, request: EngineRequest) -> AsyncIterator[CompletionDelta]:
         """Yields the request's deltas until all n sequences finished; stream=False yields
         them in bursts, when a sequence finishes. Leaving early (the client went away, the
-        task was cancelled) aborts the request in the engine. prompt and resumed (output
-        another worker streamed: request.num_resumed tokens) ride as int32 bytes after it."""
+        task was cancelled) aborts the request in the engine. Its prompt and resumed output
+        (another worker streamed it) ride as int32 bytes after it."""
         self.check_available()
         request_id = request.request_id
         q = self.queues[request_id] = DeltaQueue(eager=request.stream)
-        frame = b"" if prompt.is_placeholder else memoryview(prompt.array).cast("B")
-        if resumed is not None:
-            frame = bytes(frame) + memoryview(resumed.array).cast("B")
         open_seqs = request.params.n
         try:
-            self._submit(request, frame)
+            self._submit(request)
             while open_seqs:
                 try:
                     delta = await q.get()
@@ -155,16 +150,16 @@ class EngineLink:
             if open_seqs and self.healthy:
                 await self.abort([request_id])
 
-    def _submit(self, msg: EngineRequest, frame: memoryview | bytes) -> None:
-        self._outbox.append((msg, frame))
+    def _submit(self, request: EngineRequest) -> None:
+        self._outbox.append(request)
         if len(self._outbox) == 1:
             asyncio.get_running_loop().call_soon(self._flush)
 
     def _flush(self) -> None:
         batch, self._outbox = self._outbox, []
         if batch and self.healthy:
-            header = self._encoder.encode(AddRequests([msg for msg, _ in batch], self.peer))
-            self.engine.send(pack_input(header, [frame for _, frame in batch]))
+            header = self._encoder.encode(AddRequests(batch, self.peer))
+            self.engine.send(pack_input(header, [r.token_bytes() for r in batch]))
 
     async def abort(self, request_ids: list[str]) -> None:
         self._flush()   # an abort must not overtake the request it aborts

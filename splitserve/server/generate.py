@@ -18,12 +18,13 @@ import numpy as np
 from splitserve.httpd import ChunkedStream, Request, Response
 from splitserve.protocol.block_hashes import salted_root
 from splitserve.protocol.disagg import DisaggregatedParams, ids_comment, relayed_handle
-from splitserve.protocol.engine import CompletionDelta, EngineRequest, RequestKind
+from splitserve.protocol.engine import CompletionDelta, EngineRequest, RemotePrefill, RequestKind
 from splitserve.protocol.internal_api import SENT_AT_HEADER
 from splitserve.protocol.openai import (
     DONE, ChatCompletionRequest, CompletionRequest, EchoPrompt, ResponseAccumulator,
     StreamEncoder, decode_chat_request, decode_completion_request, response_id, sse_error)
 from splitserve.protocol.prompts import chat_prompt, encode_prompt
+from splitserve.sampling_params import SamplingParams
 from splitserve.server.admission import (
     engine_requests, logprob_entries, relay_fields, relayed_prompt, request_kind)
 from splitserve.server.engine_client import EngineDeadError
@@ -64,20 +65,12 @@ class GenerateHandlers:
         self.server.check_model(req.model)
         params = req.sampling_params()
         if request_kind(req) == RequestKind.GENERATION_ONLY:
-            prompts, remote, mode = relayed_prompt(req, params)
-            self.server.metrics.token_relay.labels(mode).inc()
-            if req.echo and prompts[0].is_placeholder:   # the engine hands the prompt back
-                return await self._respond(request, req, prompts, params, ECHO_BACK, arrival,
-                                           remote)
-            texts = [""]
-            if req.echo:
-                texts = await self.server.in_pool(lambda: [self.server.tokenizer.decode(
-                    prompts[0].array, skip_special_tokens=False)])
+            (prompts, remote), texts = self._relayed(req, params), None
         else:
-            prompts, texts = await self._completion_prompts(req)
-            remote = None
-        echo = [EchoPrompt(t, int(p.array[0])) for p, t in zip(prompts, texts)] if req.echo else ()
-        return await self._respond(request, req, prompts, params, echo, arrival, remote)
+            (prompts, texts), remote = await self._completion_prompts(req), None
+        requests = self._engine_requests(request, req, prompts, params, remote)
+        echo = await self._echo(prompts, texts) if req.echo else ()
+        return await self._respond(request, req, requests, echo, arrival)
 
     @_counted
     async def chat(self, request: Request) -> Response | ChunkedStream:
@@ -88,12 +81,11 @@ class GenerateHandlers:
         self.server.check_model(req.model)
         params = req.sampling_params()
         if request_kind(req) == RequestKind.GENERATION_ONLY:
-            prompts, remote, mode = relayed_prompt(req, params)
-            self.server.metrics.token_relay.labels(mode).inc()
-            return await self._respond(request, req, prompts, params, (), arrival, remote)
-        tok, max_len = self.server.tokenizer, self.server.engine.ready.max_model_len
-        _, prompt = await self.server.in_pool(lambda: chat_prompt(tok, req, max_len))
-        return await self._respond(request, req, [prompt], params, (), arrival)
+            prompts, remote = self._relayed(req, params)
+        else:
+            prompts, remote = [await self._chat_prompt(req)], None
+        requests = self._engine_requests(request, req, prompts, params, remote)
+        return await self._respond(request, req, requests, (), arrival)
 
     def _internal_only(self, request: Request, req) -> None:
         """The front door (WorkerServer.dispatch) refused a body carrying
@@ -101,36 +93,60 @@ class GenerateHandlers:
         if req.disaggregated_params is not None and not self.server.gate.internal(request.header):
             raise NotInternal()
 
+    def _relayed(self, req, params) -> tuple[list[PromptTokens], RemotePrefill]:
+        """generation_only: the prompt as the context worker relayed it, counted by mode."""
+        prompts, remote, mode = relayed_prompt(req, params)
+        self.server.metrics.token_relay.labels(mode).inc()
+        return prompts, remote
+
+    async def _chat_prompt(self, req: ChatCompletionRequest) -> PromptTokens:
+        tok, max_len = self.server.tokenizer, self.server.engine.ready.max_model_len
+        _, prompt = await self.server.in_pool(lambda: chat_prompt(tok, req, max_len))
+        return prompt
+
     async def _completion_prompts(self, req: CompletionRequest):
+        """The prompts' tokens, and their texts where they came as text (else None)."""
         items, tok = req.prompts(), self.server.tokenizer
         if isinstance(items[0], str):
             max_len = self.server.engine.ready.max_model_len
             prompts = await self.server.in_pool(
                 lambda: [encode_prompt(tok, p, max_len, "prompt") for p in items])
             return prompts, items
-        prompts = [PromptTokens.from_list(ids) for ids in items]
-        texts = [""] * len(prompts)
-        if req.echo:
+        return [PromptTokens.from_list(ids) for ids in items], None
+
+    async def _echo(self, prompts: list[PromptTokens], texts: list[str] | None):
+        """echo: each prompt's text, decoded in the tokenizer pool where only its ids came;
+        a length-only prompt's ids come back from the engine (ECHO_BACK)."""
+        if prompts[0].is_placeholder:
+            return ECHO_BACK
+        if texts is None:
+            tok = self.server.tokenizer
             texts = await self.server.in_pool(
                 lambda: [tok.decode(p.array, skip_special_tokens=False) for p in prompts])
-        return prompts, texts
+        return [EchoPrompt(t, int(p.array[0])) for p, t in zip(prompts, texts)]
 
-    def _hash_root(self, request: Request, req) -> bytes:
-        """Where the request's block hashes start: its effective salt's root (a public
-        client's under --cache-isolation api_key is derived from its key)."""
+    def _engine_requests(self, request: Request, req, prompts: list[PromptTokens],
+                         params: SamplingParams, remote: RemotePrefill | None):
+        """The validated request's EngineRequests (every check that answers 400 first), under
+        a new response id, with the hash root of its effective salt (a public client's under
+        --cache-isolation api_key is derived from its key)."""
         salt = self.server.isolation.salt(req.cache_salt, self.server.gate.tenant(request.header))
-        return salted_root(salt)
+        return engine_requests(req, response_id(isinstance(req, ChatCompletionRequest)), prompts,
+                               params, self.server.engine.ready, remote, salted_root(salt))
 
-    async def _respond(self, request, req, prompts, params, echo, arrival, remote=None):
-        rid = response_id(isinstance(req, ChatCompletionRequest))
-        requests, resumed = engine_requests(req, rid, prompts, params, self.server.engine.ready,
-                                            remote, self._hash_root(request, req))
-        kwargs = dict(token_text=self.server.token_text, echo=echo, request_id=rid)
-        deltas = self._merged(requests, prompts, resumed)
+    async def _respond(self, request: Request, req, requests: list[EngineRequest], echo,
+                       arrival: float):
+        """Submits the requests and shapes their deltas into the response: SSE, or one JSON
+        body (with the disaggregated_params of a context_only handoff). Its id is the first
+        request's."""
+        prompts = [r.prompt for r in requests]
+        kwargs = dict(token_text=self.server.token_text, echo=echo,
+                      request_id=requests[0].request_id)
+        deltas = self._merged(requests)
         if echo is ECHO_BACK:
             deltas, echo = await echo_back(deltas, self.server)
             kwargs["echo"] = echo
-        observe = _Observer(self.server.metrics, arrival, remote is not None)
+        observe = _Observer(self.server.metrics, arrival, requests[0].remote is not None)
         if req.stream:
             return await self._stream(request, req, deltas, observe, kwargs)
         acc = ResponseAccumulator(req, self.server.model_name, num_prompts=len(prompts), **kwargs)
@@ -143,16 +159,9 @@ class GenerateHandlers:
         failed = acc.error_response()
         if failed is not None:
             return Response(failed[1], failed[0])
-        extra = None
-        if handoff is not None:
-            extra = {"disaggregated_params": DisaggregatedParams(
-                request_type="context_only", ctx_request_id=handoff.kv_handle.ctx_request_id,
-                first_gen_tokens=handoff.token_ids, first_gen_logprobs=handoff.logprobs,
-                prompt_len=len(prompts[0]),
-                kv_handle=relayed_handle(handoff.kv_handle, req.disaggregated_params.token_relay),
-                token_relay=req.disaggregated_params.token_relay,
-                **relay_fields(req.disaggregated_params.token_relay, prompts[0]))}
-        if logprob_entries(prompts, params, acc.usage.completion) <= ON_LOOP_MAX_ENTRIES:
+        extra = None if handoff is None else _handoff_params(req, handoff, prompts[0])
+        entries = logprob_entries(prompts, requests[0].params, acc.usage.completion)
+        if entries <= ON_LOOP_MAX_ENTRIES:
             return Response(acc.body(extra))
         # up to MAX_LOGPROB_ENTRIES entries to shape: seconds of CPU, in the pool
         return Response(await self.server.in_pool(lambda: acc.body(extra)))
@@ -187,19 +196,19 @@ class GenerateHandlers:
         resp.end()
         return resp
 
-    async def _merged(self, requests: list[EngineRequest], prompts: list[PromptTokens],
-                      resumed: PromptTokens | None) -> AsyncIterator[tuple[int, CompletionDelta]]:
+    async def _merged(self, requests: list[EngineRequest],
+                      ) -> AsyncIterator[tuple[int, CompletionDelta]]:
         """(prompt index, delta) of every prompt's engine request, as they come."""
         engine = self.server.engine
         if len(requests) == 1:
-            async for delta in engine.generate(requests[0], prompts[0], resumed):
+            async for delta in engine.generate(requests[0]):
                 yield 0, delta
             return
         q: asyncio.Queue = asyncio.Queue()
 
         async def pump(i: int) -> None:
             try:
-                async for delta in engine.generate(requests[i], prompts[i]):
+                async for delta in engine.generate(requests[i]):
                     q.put_nowait((i, delta))
             except Exception as exc:   # (the engine died) fails the whole request, below
                 q.put_nowait((i, exc))
@@ -257,6 +266,16 @@ class _Observer:
         if self.generation_only:
             m.gen_preprocessing.observe(admitted)
             m.kv_transfer.observe(delta.kv_transfer_time)
+
+
+def _handoff_params(req, handoff: CompletionDelta, prompt: PromptTokens) -> dict:
+    """context_only: what the answer tells the orchestrator to relay to a generation worker."""
+    relay = req.disaggregated_params.token_relay
+    return {"disaggregated_params": DisaggregatedParams(
+        request_type="context_only", ctx_request_id=handoff.kv_handle.ctx_request_id,
+        first_gen_tokens=handoff.token_ids, first_gen_logprobs=handoff.logprobs,
+        prompt_len=len(prompt), kv_handle=relayed_handle(handoff.kv_handle, relay),
+        token_relay=relay, **relay_fields(relay, prompt))}
 
 
 ECHO_BACK = ("echo the prompt the engine hands back",)

@@ -64,8 +64,8 @@ def bench_prefill(engine: EngineCore, length: int, repeats: int, rng) -> float:
     times = []
     params = SamplingParams(temperature=0, max_tokens=1)
     for i in range(repeats + 1):
-        engine.add_request(EngineRequest(f"p{i}", params, length),
-                           _prompt(rng, length, engine.model_config.vocab_size))
+        prompt = _prompt(rng, length, engine.model_config.vocab_size)
+        engine.add_request(EngineRequest.build(f"p{i}", prompt, params))
         t0 = time.perf_counter()
         _drain(engine)
         if i:   # the first run warms up
@@ -76,8 +76,8 @@ def bench_prefill(engine: EngineCore, length: int, repeats: int, rng) -> float:
 def bench_decode(engine: EngineCore, batch: int, steps: int, prompt_len: int, rng) -> float:
     params = SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True)
     for i in range(batch):
-        engine.add_request(EngineRequest(f"d{batch}-{i}", params, prompt_len),
-                           _prompt(rng, prompt_len, engine.model_config.vocab_size))
+        prompt = _prompt(rng, prompt_len, engine.model_config.vocab_size)
+        engine.add_request(EngineRequest.build(f"d{batch}-{i}", prompt, params))
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) \
             or engine.scheduler.waiting:
         engine.step()
