@@ -25,3 +25,14 @@ def pytest_configure(config):
     # end-to-end tests, OpenMP threads spinning against each other cost 10x, not 2x.
     import torch
     torch.set_num_threads(1)
+
+
+_E2E = "e2e"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test under tests/e2e starts real processes: mark it, so `-m "not e2e"` runs the
+    in-process suite alone."""
+    for item in items:
+        if _E2E in item.path.parent.parts[-1:]:
+            item.add_marker(pytest.mark.e2e)

@@ -89,7 +89,7 @@ class Tokenizer:
         encoding it (which takes ~150x the text's size in memory): each token covers at
         most max_token_chars characters of the normalized text. O(len(text)) at most (a
         normalizer's copy, for a text past the bound only). Characters the vocabulary has
-        no token for are dropped by encode (tests/test_tokenizer.py), yet count here: a
+        no token for are dropped by encode (tests/model/test_tokenizer.py), yet count here: a
         text padded with them is refused."""
         limit = max_tokens * self.max_token_chars
         if len(text) <= limit:

@@ -1,6 +1,6 @@
 """A context worker's engine core in a process of its own, for tests that stop or kill it.
 
-    python tests/kv_ctx_process.py tcp
+    python tests/support/kv_ctx_process.py tcp
 
 Prints `@ready`, then for each `<request id>` line on stdin hands PROMPT off under that id
 and prints `@` and the KV handle and first tokens as JSON on one line (lines without the `@`

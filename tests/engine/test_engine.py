@@ -1,4 +1,4 @@
-"""The paged, batched engine against a naive full-recompute forward (tests/reference_model.py)."""
+"""The paged, batched engine against a naive full-recompute forward (tests/support/reference_model.py)."""
 
 import time
 

@@ -1,5 +1,5 @@
 """The fast paths against the naive ones: fused RMSNorm, three-kernel RoPE, block gathers,
-dtype="auto", and the fp16 / int8 quantized linears (tests/reference_model.py is the yardstick)."""
+dtype="auto", and the fp16 / int8 quantized linears (tests/support/reference_model.py is the yardstick)."""
 
 from __future__ import annotations
 
@@ -184,7 +184,7 @@ def test_quantized_engine_greedy_starts_like_float32(tiny_source, quant):
 
 
 # -- packed (oneDNN blocked) weights -----------------------------------------------------
-# float32 on one thread is laid out for the C kernel instead (tests/test_native_linear.py)
+# float32 on one thread is laid out for the C kernel instead (tests/model/test_native_linear.py)
 PACKED = (PackedLinear, NativeLinear)
 
 

@@ -1,7 +1,7 @@
 """KV pull throughput of a transport: two in-process transports on loopback, one lease of
 a large prompt's blocks pulled again and again; prints the median. Not a test (timing only).
 
-    python tests/kv_pull_timing.py --backend tcp --tokens 8192 --reps 9 [--secret S]
+    python tests/support/kv_pull_timing.py --backend tcp --tokens 8192 --reps 9 [--secret S]
 
 --secret: the channel speaks CURVE (encrypted), keyed by S, as a cluster with an internal
 secret does.

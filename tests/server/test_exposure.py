@@ -1,6 +1,6 @@
 """A server that listens beyond loopback without an API key says so at start: one WARNING
 line naming the address (serve, orchestrator and up, from the configs their commands build);
-`up --host` exposes the orchestrator only (tests/test_trust_up.py checks its sockets)."""
+`up --host` exposes the orchestrator only (tests/e2e/test_trust_up.py checks its sockets)."""
 
 import logging
 

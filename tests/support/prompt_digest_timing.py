@@ -3,7 +3,7 @@ exist already when prefix caching is on, or are hashed then), a GEN checking a r
 prompt (every block hashed, the digest compared), and the per-block hashing this replaced.
 Prints medians. Not a test (timing only).
 
-    python tests/prompt_digest_timing.py --tokens 32768 --block-size 16 --reps 21
+    python tests/support/prompt_digest_timing.py --tokens 32768 --block-size 16 --reps 21
 """
 
 import argparse

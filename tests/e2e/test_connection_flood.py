@@ -23,7 +23,7 @@ from server_utils import TEST_SECRET, get, wait_for
 from splitserve.bench.server_process import free_port
 
 KEY = "sk-flood-test"
-FLOOD = Path(__file__).with_name("flood_client.py")
+FLOOD = Path(__file__).parent.parent / "support" / "flood_client.py"
 
 
 def start(args: list[str], log: Path, fd_limit: int | None = None) -> subprocess.Popen:

@@ -5,7 +5,7 @@ the pulls waiting on it while pulls from another CTX complete; a wrong reply fai
 and writes nothing; garbage on a CTX's KV port is dropped and the server keeps answering;
 the GEN closes its sockets to failed and idle CTXs. Over both backends where the fault
 applies (nixl's tests skip when it is not importable); misbehaving CTXs are real ZeroMQ
-ROUTER sockets, stopped and killed CTXs real processes (tests/kv_ctx_process.py).
+ROUTER sockets, stopped and killed CTXs real processes (tests/support/kv_ctx_process.py).
 """
 
 import signal

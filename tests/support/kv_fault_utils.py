@@ -1,4 +1,4 @@
-"""Misbehaving peers and probes for the KV fault tests (tests/test_faults_kv.py): a fake
+"""Misbehaving peers and probes for the KV fault tests (tests/kv/test_faults_kv.py): a fake
 context worker built from a real ZeroMQ ROUTER, a context worker's engine core in a process
 of its own (to stop or kill), and what the tests read off a drain or the kernel."""
 
@@ -138,7 +138,7 @@ class Handoff(msgspec.Struct):
 
 
 class CtxProcess:
-    """tests/kv_ctx_process.py: a CTX engine core in its own process."""
+    """tests/support/kv_ctx_process.py: a CTX engine core in its own process."""
 
     def __init__(self, backend):
         self.proc = subprocess.Popen([sys.executable, os.path.join(HERE, "kv_ctx_process.py"),

@@ -20,11 +20,12 @@ pytestmark = pytest.mark.skipif(build.load("pool") is None or build.load("gemv")
 
 def _probe() -> dict:
     cpus = sorted(os.sched_getaffinity(0))
-    tests = Path(__file__).parent
-    out = subprocess.run([sys.executable, str(tests / "pool_probe.py"), str(cpus[0]), str(cpus[-1])],
+    here = Path(__file__).parent                 # test_native_kernels.py: the cases
+    support = here.parent / "support"            # pool_probe.py
+    path = os.pathsep.join([str(here), str(support), os.environ.get("PYTHONPATH", "")])
+    out = subprocess.run([sys.executable, str(support / "pool_probe.py"), str(cpus[0]), str(cpus[-1])],
                          capture_output=True, text=True, timeout=600,
-                         env=dict(os.environ, PYTHONPATH=f"{tests}{os.pathsep}"
-                                                         f"{os.environ.get('PYTHONPATH', '')}"))
+                         env=dict(os.environ, PYTHONPATH=path))
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
 
