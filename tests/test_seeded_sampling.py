@@ -125,3 +125,10 @@ def test_a_seeded_request_decodes_the_same_in_a_crowd(pair):
 
 def _fields(params):
     return {f: getattr(params, f) for f in params.__struct_fields__}
+
+
+def test_bench_engine_times_the_sampler_for_each_kind_of_row():
+    from splitserve.bench.engine.sampler_timing import KINDS, sampler_ms
+    ms = sampler_ms(1000, [1, 4], reps=2)
+    assert set(ms) == set(KINDS) and all(set(v) == {"1", "4"} for v in ms.values())
+    assert all(t > 0 for v in ms.values() for t in v.values())
