@@ -20,6 +20,7 @@ import time
 import numpy as np
 import torch
 
+from splitserve.kv import checksums
 from splitserve.kv.base import LeaseView, make_transport
 from splitserve.protocol.engine import KVHandle
 
@@ -95,18 +96,18 @@ def _pull(gen, handle, n) -> float:
 
 @contextlib.contextmanager
 def _checksums(backend: str, on: bool):
-    """With on=False, the backend module's checksum functions do nothing: no sum computed
-    by the CTX, none checked by the GEN (both transports live in this process)."""
+    """With on=False, the checksum functions do nothing: no sum computed by the CTX, none
+    checked by the GEN (both transports live in this process)."""
     module = importlib.import_module(f"splitserve.kv.{backend}")
-    saved = module.block_sums, module.check_block, module.expected_sums
+    saved = checksums.block_sums, module.check_block, module.expected_sums
     if not on:
-        module.block_sums = lambda blocks: b""
+        checksums.block_sums = lambda blocks: b""
         module.check_block = lambda index, block, want: None
         module.expected_sums = lambda sums, count: [0] * count
     try:
         yield
     finally:
-        module.block_sums, module.check_block, module.expected_sums = saved
+        checksums.block_sums, module.check_block, module.expected_sums = saved
 
 
 if __name__ == "__main__":

@@ -2,10 +2,12 @@
 nixl, real transports on loopback); nothing of it is decoded, its blocks are freed, and a
 fresh prefill pulled again (what the orchestrator's retry does) gives the uninterrupted text."""
 
+import numpy as np
 import pytest
 
 from splitserve.engine.request import FinishReason
-from splitserve.kv.checksums import ChecksumMismatch, block_sums, check_block, expected_sums
+from splitserve.kv.checksums import (ChecksumMismatch, LeaseSums, block_sums, check_block,
+                                     expected_sums)
 from splitserve.kv.sockets import BadReply
 
 from splitserve.protocol.engine import RemotePrefill
@@ -13,7 +15,7 @@ from splitserve.protocol.engine import RemotePrefill
 from disagg_utils import (BACKENDS, GREEDY, PROMPT, drain, engine, handoff, require_backend,
                           wait_for_release)
 from engine_requests import add_request
-from kv_fault_utils import assert_healthy, greedy_reference, pull_with
+from kv_fault_utils import assert_healthy, greedy_reference, pull_with, wait_for
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
@@ -82,3 +84,26 @@ def test_checksums_catch_any_single_flipped_bit_of_a_block():
 def test_a_reply_with_the_wrong_count_of_checksums_is_refused():
     with pytest.raises(BadReply, match="16 bytes of block checksums for 3 KV blocks"):
         expected_sums(bytes(16), 3)
+
+
+def test_lease_sums_are_the_blocks_sums_whether_summed_ahead_or_at_the_offer():
+    cache = np.random.default_rng(0).integers(0, 256, (8, 64), dtype=np.uint8)
+    sums = LeaseSums(lambda b: memoryview(cache[b]), "test")
+    truth = lambda ids: block_sums(memoryview(cache[b]) for b in ids)   # noqa: E731
+    blocks = np.array([5, 1, 3, 6])
+    assert sums.sums("early", blocks) == truth(blocks)       # no lease event yet: summed now
+    sums.thread.start()
+    sums.started("a", blocks)
+    assert wait_for(lambda: "a" in sums._ready)
+    assert sums.sums("a", blocks) == truth(blocks)
+    assert sums.sums("a", blocks[1:]) == truth(blocks[1:])   # a pull that skips a block
+    cache[3] ^= 1   # the id leased again over other bytes: summed afresh, never reused
+    sums.ended("a")
+    assert "a" not in sums._ready
+    sums.started("a", blocks)
+    assert wait_for(lambda: "a" in sums._ready)
+    assert sums.sums("a", blocks) == truth(blocks)
+    assert sums.sums("a", blocks[::-1]) == truth(blocks[::-1])   # not the lease's: summed now
+    sums.close()
+    sums.thread.join(timeout=5)
+    assert not sums.thread.is_alive()

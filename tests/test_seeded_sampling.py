@@ -120,7 +120,8 @@ def test_a_seeded_request_decodes_the_same_in_a_crowd(pair):
     add_request(ctx, "crowded", PROMPT, SEEDED)
     got = tokens([d for d in drain(ctx) if d.request_id == "crowded"])
     assert got == want
-    assert aggregated(ctx, "other-seed", SamplingParams(**{**_fields(SEEDED), "seed": 4321})) != want
+    other_seed = SamplingParams(**{**_fields(SEEDED), "seed": 4321})
+    assert aggregated(ctx, "other-seed", other_seed) != want
 
 
 def _fields(params):

@@ -4,8 +4,9 @@ GEN -> CTX: a PullRequest, and a PullAck once the bytes are in its own blocks. C
 one reply per PullRequest; `error` set means nothing is offered. Both ends of a pull run the
 same backend, so each backend's reply type is read only by that backend. A reply names the
 lease it answers, so the GEN never takes an answer to another pull for its own, and a
-checksum of every block it offers (kv/checksums.py), so the GEN decodes no corrupted block. A request and
-an ack carry the lease's token (KVHandle.lease_token): the lease id alone opens nothing.
+checksum of every block it offers (kv/checksums.py), so the GEN decodes no corrupted block.
+A request and an ack carry the lease's token (KVHandle.lease_token): the lease id alone
+opens nothing.
 """
 
 from __future__ import annotations

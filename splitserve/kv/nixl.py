@@ -12,7 +12,7 @@ checks the offer (block size and count, ids, metadata size), loads the lease's m
 agent is dropped and connected afresh every MAX_LOADS_PER_AGENT leases, so stale regions do not
 pile up), posts one READ from remote blocks into its own local blocks and polls it to
 completion, then checks each block it read against the checksum the reply carries
-(kv/checksums.py: the CTX sums its leased blocks as it offers them, on its serving thread;
+(kv/checksums.py: the CTX sums a lease's blocks on a thread of its own as the lease starts;
 the GEN sums what landed, on its pull thread): a corrupted block fails the pull. Then the
 PullAck releases the lease.
 
@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from splitserve.kv.base import LeaseView, register
-from splitserve.kv.checksums import SUM_BYTES, block_sums, check_block, expected_sums
+from splitserve.kv.checksums import SUM_BYTES, check_block, expected_sums
 from splitserve.kv.messages import MAX_AGENT_METADATA_BYTES, MAX_REPLY_BYTES, NixlPullReply
 from splitserve.kv.sockets import BadReply
 from splitserve.kv.zmq_pull import ZmqPullTransport
@@ -198,11 +198,11 @@ class NixlTransport(ZmqPullTransport):
         if entry is None:   # ended since the lookup
             return NixlPullReply(ctx_request_id=ctx_request_id, error=f"unknown or expired "
                                  f"ctx_request_id {ctx_request_id!r}"), []
-        ids = blocks.tolist()
         return NixlPullReply(
             ctx_request_id=ctx_request_id, agent_name=self.agent_name, agent_metadata=entry[1],
-            base_addr=self.kv_cache.data_ptr(), block_bytes=self.block_nbytes, block_ids=ids,
-            block_sums=block_sums(memoryview(self.block_bytes(b).numpy()) for b in ids)), []
+            base_addr=self.kv_cache.data_ptr(), block_bytes=self.block_nbytes,
+            block_ids=blocks.tolist(),
+            block_sums=self.lease_sums.sums(ctx_request_id, blocks)), []
 
     def agent_metadata(self) -> bytes:
         # The reply to a PullRequest carries the metadata, so KVHandles (relayed per request
