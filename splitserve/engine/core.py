@@ -220,8 +220,8 @@ class EngineCore(FailureHandling):
             sampled = self.sampler(logits, requests)
             picks = zip(requests, sampled.token_ids, sampled.logprobs)
         except Exception:
-            # Find the row(s) at fault: sample each alone. A seeded row whose generator drew
-            # in the failed call draws again, so its token for this step may differ.
+            # Find the row(s) at fault: sample each alone. A seeded row draws the same token
+            # alone as in the batch (engine/seeded.py); an unseeded one draws afresh.
             logger.exception("engine: sampling a batch of %d failed; sampling each alone",
                              len(requests))
             picks = self._sample_each(logits, requests, out)

@@ -6,7 +6,6 @@ import enum
 import time
 
 import numpy as np
-import torch
 
 from splitserve.protocol.engine import FinishReason, RemotePrefill, RequestKind
 from splitserve.sampling_params import SamplingParams
@@ -55,7 +54,7 @@ class Request:
     """One sequence, owned by the engine core. The scheduler changes its state (status,
     queue, computed and output tokens, forks, endings: queues.py); the block manager owns
     `block_ids` (an int64 array, replaced when it grows, never written in place); the
-    sampler reads `params`, `generator` and the token history."""
+    sampler reads `params` and the token history."""
 
     def __init__(self, request_id: str, prompt: PromptTokens, params: SamplingParams,
                  eos_token_ids: tuple[int, ...] = (), max_model_len: int = 1 << 30,
@@ -108,9 +107,6 @@ class Request:
         # Output budget, clamped so prompt + output never exceeds the model's context.
         limit = max_model_len - len(prompt)
         self.max_tokens = limit if params.max_tokens is None else min(params.max_tokens, limit)
-        self.generator: torch.Generator | None = None
-        if params.seed is not None:
-            self.generator = torch.Generator().manual_seed(params.seed)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from splitserve.engine import seeded
 from splitserve.engine.request import Request
 from splitserve.protocol.engine import Logprob
 
@@ -41,8 +42,9 @@ class SamplerOutput:
 
 class Sampler:
     """Stateless per step apart from its own generator, which serves every row whose
-    request has no seed. A seeded request draws only from `request.generator`, so its
-    tokens do not depend on what else shares the batch."""
+    request has no seed. A seeded row's draw is a pure function of its seed and output
+    position (engine/seeded.py), so its tokens do not depend on what else shares the batch,
+    nor on which worker sampled them."""
 
     def __init__(self, vocab_size: int, seed: int | None = None):
         if vocab_size < 1:
@@ -125,27 +127,37 @@ class Sampler:
             min_p = torch.tensor([p.min_p for p in ps], dtype=x.dtype).unsqueeze(1)
             x = x.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
         probs = x.softmax(dim=-1)                                               # (R, V)
-        # Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) picks i with probability
-        # p_i, and each row's noise comes from that row's own generator. With E = -log U,
-        # argmax(p / E) = argmin(p / log U): saves two passes over (R, V).
-        return (probs / self._log_uniform(requests, probs.shape)).argmin(dim=-1)
+        keyed = [i for i, r in enumerate(requests) if r.params.seed is not None]
+        if not keyed:
+            return self._race(probs)
+        if len(keyed) == len(requests):
+            return self._seeded(probs, requests)
+        tokens = torch.empty(len(requests), dtype=torch.long, device=probs.device)
+        shared = [i for i, r in enumerate(requests) if r.params.seed is None]
+        s_idx, u_idx = torch.tensor(keyed), torch.tensor(shared)
+        tokens[s_idx] = self._seeded(probs[s_idx], [requests[i] for i in keyed])
+        tokens[u_idx] = self._race(probs[u_idx])
+        return tokens
 
-    def _log_uniform(self, requests: list[Request], shape: torch.Size) -> Tensor:
-        """(R, V) log U, U ~ Uniform(0, 1), each seeded row from its own generator."""
-        u = torch.empty(shape)                                                  # (R, V)
-        shared = [i for i, r in enumerate(requests) if r.generator is None]
-        if len(shared) == len(requests):
-            u.uniform_(generator=self.generator)
-        else:
-            for i, req in enumerate(requests):
-                if req.generator is not None:
-                    u[i].uniform_(generator=req.generator)
-            if shared:
-                u[torch.tensor(shared)] = torch.empty(len(shared), shape[1]).uniform_(
-                    generator=self.generator)
+    def _race(self, probs: Tensor) -> Tensor:
+        """(R, V) probabilities of unseeded rows -> (R,) tokens, noise from self.generator.
+        Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) picks i with probability p_i.
+        With E = -log U, argmax(p / E) = argmin(p / log U): saves two passes over (R, V)."""
+        u = torch.empty(probs.shape).uniform_(generator=self.generator)         # (R, V)
         # U == 0 would give log U = -inf and p / -inf = -0, a tie with p = 0 tokens.
         # Strictly negative and finite: p > 0 always scores below every p = 0 token.
-        return u.clamp_(min=torch.finfo(u.dtype).tiny).log_()
+        log_u = u.clamp_(min=torch.finfo(u.dtype).tiny).log_().to(probs.device)
+        return (probs / log_u).argmin(dim=-1)
+
+    @staticmethod
+    def _seeded(probs: Tensor, requests: list[Request]) -> Tensor:
+        """(R, V) probabilities of seeded rows -> (R,) tokens, each at the uniform of its
+        (seed, output position): the position counts resumed tokens too."""
+        seeds = torch.tensor([r.params.seed for r in requests], dtype=torch.int64,
+                             device=probs.device)
+        positions = torch.tensor([r.num_output_tokens for r in requests], dtype=torch.int64,
+                                 device=probs.device)
+        return seeded.sample(probs, seeded.uniforms(seeds, positions))
 
     # -- logprobs -----------------------------------------------------------------------
     def _logprobs(self, raw: Tensor, token_ids: list[int],

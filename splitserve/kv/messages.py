@@ -3,8 +3,10 @@
 GEN -> CTX: a PullRequest, and a PullAck once the bytes are in its own blocks. CTX -> GEN:
 one reply per PullRequest; `error` set means nothing is offered. Both ends of a pull run the
 same backend, so each backend's reply type is read only by that backend. A reply names the
-lease it answers, so the GEN never takes an answer to another pull for its own. A request and
-an ack carry the lease's token (KVHandle.lease_token): the lease id alone opens nothing.
+lease it answers, so the GEN never takes an answer to another pull for its own, and a
+checksum of every block it offers (kv/checksums.py), so the GEN decodes no corrupted block.
+A request and an ack carry the lease's token (KVHandle.lease_token): the lease id alone
+opens nothing.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class TcpPullReply(msgspec.Struct):
     error: str | None = None
     num_blocks: int = 0
     prompt_bytes: int = 0         # want_tokens: the size of the last frame, the prompt's ids
+    block_sums: bytes = b""       # kv.checksums: 8 bytes per offered block, in frame order
 
 
 class NixlPullReply(msgspec.Struct):
@@ -57,3 +60,4 @@ class NixlPullReply(msgspec.Struct):
     block_bytes: int = 0
     block_ids: list[int] = []
     prompt_bytes: int = 0         # want_tokens: the size of the one frame after the reply
+    block_sums: bytes = b""       # kv.checksums: 8 bytes per block of block_ids, in order

@@ -11,7 +11,10 @@ on different pull threads, so the agent is created in NIXL's strict thread-sync 
 checks the offer (block size and count, ids, metadata size), loads the lease's metadata (a CTX
 agent is dropped and connected afresh every MAX_LOADS_PER_AGENT leases, so stale regions do not
 pile up), posts one READ from remote blocks into its own local blocks and polls it to
-completion; then the PullAck releases the lease.
+completion, then checks each block it read against the checksum the reply carries
+(kv/checksums.py: the CTX sums a lease's blocks on a thread of its own as the lease starts;
+the GEN sums what landed, on its pull thread): a corrupted block fails the pull. Then the
+PullAck releases the lease.
 
 What registration enforces depends on the transport under UCX: with RDMA a READ needs the
 memory key of a live registration, which the NIC checks; with UCX_TLS=tcp, UCX emulates READs
@@ -42,6 +45,7 @@ import numpy as np
 import torch
 
 from splitserve.kv.base import LeaseView, register
+from splitserve.kv.checksums import SUM_BYTES, check_block, expected_sums
 from splitserve.kv.messages import MAX_AGENT_METADATA_BYTES, MAX_REPLY_BYTES, NixlPullReply
 from splitserve.kv.sockets import BadReply
 from splitserve.kv.zmq_pull import ZmqPullTransport
@@ -197,7 +201,8 @@ class NixlTransport(ZmqPullTransport):
         return NixlPullReply(
             ctx_request_id=ctx_request_id, agent_name=self.agent_name, agent_metadata=entry[1],
             base_addr=self.kv_cache.data_ptr(), block_bytes=self.block_nbytes,
-            block_ids=blocks.tolist()), []
+            block_ids=blocks.tolist(),
+            block_sums=self.lease_sums.sums(ctx_request_id, blocks)), []
 
     def agent_metadata(self) -> bytes:
         # The reply to a PullRequest carries the metadata, so KVHandles (relayed per request
@@ -206,14 +211,19 @@ class NixlTransport(ZmqPullTransport):
 
     # -- GEN side -------------------------------------------------------------------------
     def _max_frame(self) -> int:
-        # The reply: metadata, and at most the whole cache's block ids (9 msgpack bytes each).
-        return MAX_REPLY_BYTES + MAX_AGENT_METADATA_BYTES + 9 * self.kv_cache.shape[0]
+        # The reply: metadata, and at most the whole cache's block ids (9 msgpack bytes each)
+        # and checksums.
+        return (MAX_REPLY_BYTES + MAX_AGENT_METADATA_BYTES
+                + (9 + SUM_BYTES) * self.kv_cache.shape[0])
 
     def _receive(self, handle: KVHandle, reply: NixlPullReply, frames: list, dst: np.ndarray,
                  deadline: float) -> int:
         _check_offer(reply, frames, dst, self.block_nbytes)
+        sums = expected_sums(reply.block_sums, len(dst))
         if len(dst):
             self._read(self._remote_agent(handle.endpoint, reply), reply, dst, deadline)
+        for i, (block, want) in enumerate(zip(dst.tolist(), sums)):
+            check_block(i, memoryview(self.block_bytes(block).numpy()), want)
         return len(dst) * self.block_nbytes
 
     def _remote_agent(self, endpoint: str, reply: NixlPullReply) -> str:

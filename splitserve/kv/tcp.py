@@ -2,9 +2,11 @@
 
 CTX: the reply to a PullRequest is followed by one frame per block, each a zero-copy view of
 the cache (the blocks are leased, so nothing writes them until GEN's PullAck releases the
-lease). GEN: checks that the offer is exactly its blocks (count, and each frame exactly one
+lease), and the reply carries each block's checksum (summed as the lease started). GEN:
+checks that the offer is exactly its blocks (count, checksums, and each frame exactly one
 block's bytes; its socket refuses larger frames) and only then copies each frame into its
-own blocks. The conversation itself is kv.zmq_pull's.
+own blocks, checking its checksum as it goes (the frame is summed just before its copy,
+while it is in cache): a corrupted block fails the pull. The conversation itself is kv.zmq_pull's.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from splitserve.kv.base import register
+from splitserve.kv.checksums import SUM_BYTES, check_block, expected_sums
 from splitserve.kv.messages import MAX_REPLY_BYTES, TcpPullReply
 from splitserve.kv.sockets import BadReply
 from splitserve.kv.zmq_pull import ZmqPullTransport
@@ -24,10 +27,12 @@ class TcpTransport(ZmqPullTransport):
 
     def _offer(self, ctx_request_id: str, blocks: np.ndarray) -> tuple[TcpPullReply, list]:
         frames = [memoryview(self.block_bytes(b).numpy()) for b in blocks.tolist()]
-        return TcpPullReply(ctx_request_id=ctx_request_id, num_blocks=len(blocks)), frames
+        return TcpPullReply(ctx_request_id=ctx_request_id, num_blocks=len(blocks),
+                            block_sums=self.lease_sums.sums(ctx_request_id, blocks)), frames
 
     def _max_frame(self) -> int:
-        return max(self.block_nbytes, MAX_REPLY_BYTES)
+        # The reply carries at most the whole cache's block checksums.
+        return max(self.block_nbytes, MAX_REPLY_BYTES + SUM_BYTES * self.kv_cache.shape[0])
 
     def _receive(self, handle: KVHandle, reply: TcpPullReply, frames: list, dst: np.ndarray,
                  deadline: float) -> int:
@@ -38,6 +43,8 @@ class TcpTransport(ZmqPullTransport):
         for i, frame in enumerate(frames):
             if len(frame) != size:
                 raise BadReply(f"KV block frame {i} holds {len(frame)} bytes, expected {size}")
-        for block, frame in zip(dst.tolist(), frames):
+        sums = expected_sums(reply.block_sums, len(dst))
+        for i, (block, frame, want) in enumerate(zip(dst.tolist(), frames, sums)):
+            check_block(i, frame.buffer, want)
             self.block_bytes(block).numpy()[:] = np.frombuffer(frame.buffer, dtype=np.uint8)
         return len(dst) * size

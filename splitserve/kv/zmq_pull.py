@@ -25,6 +25,7 @@ import torch
 import zmq
 
 from splitserve.kv.base import KVTransport, LeaseView, PullResult, check_pull
+from splitserve.kv.checksums import LeaseSums
 from splitserve.kv.curve import CurveKeys, ZapHandler
 from splitserve.kv.messages import MAX_REQUEST_BYTES, PullAck, PullRequest
 from splitserve.kv.pull_pool import Job, PullPool
@@ -56,7 +57,9 @@ class ZmqPullTransport(KVTransport):
         self._warn = Throttled()
         self.pool = PullPool(self.name, pull_threads, idle_seconds, self._open_peer, self._pull_one)
         self._threads: list[threading.Thread] = []
-        self._own_threads: list[threading.Thread] = []   # serving and ZAP: joined on close
+        self._own_threads: list[threading.Thread] = []   # serving, sums, ZAP: joined on close
+        # CTX: the offered blocks' checksums, summed as each lease starts.
+        self.lease_sums = LeaseSums(lambda b: memoryview(self.block_bytes(b).numpy()), self.name)
 
     @abc.abstractmethod
     def _offer(self, ctx_request_id: str, blocks: np.ndarray) -> tuple[msgspec.Struct, list]:
@@ -79,7 +82,11 @@ class ZmqPullTransport(KVTransport):
         sock, self.endpoint, monitor = server_socket(self.ctx, self.host, self.port, self.keys)
         serve = threading.Thread(target=self._serve, args=(sock, monitor, leases), daemon=True,
                                  name=f"kv-{self.name}-serve")
-        self._own_threads = [serve, *zap]
+        try:
+            leases.watch(self.lease_sums.started, self.lease_sums.ended)
+        except NotImplementedError:   # no lease events: each offer sums its blocks itself
+            pass
+        self._own_threads = [serve, self.lease_sums.thread, *zap]
         self._threads = [*self._own_threads, *self.pool.threads]
         for t in self._own_threads:
             t.start()
@@ -197,6 +204,7 @@ class ZmqPullTransport(KVTransport):
     def close(self) -> None:
         self._stop.set()
         self.pool.close()
+        self.lease_sums.close()
         for t in self._own_threads:
             t.join(timeout=5)
         self.ctx.destroy(linger=0)

@@ -97,11 +97,13 @@ def test_gen_killed_before_its_first_event_is_retried_on_another_gen(cluster):
     wait_kv_free([ctx.url, gens[1 - victim].url])    # the first prefill's lease expires
 
 
-def test_gen_killed_mid_stream_is_continued_on_another_gen(cluster):
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 1.0, "seed": 7}],
+                         ids=["greedy", "seeded"])
+def test_gen_killed_mid_stream_is_continued_on_another_gen(cluster, sampling):
     """Mid-stream migration: the client's stream goes on from the tokens it already has and
-    ends exactly as an uninterrupted greedy run."""
+    ends exactly as an uninterrupted run, greedy or seeded."""
     (ctx,), gens, orch = cluster(1, 2, ("--kv-lease-seconds", "3"))
-    body = {**BODY, "max_tokens": 1000, "ignore_eos": True}
+    body = {**BODY, "max_tokens": 1000, "ignore_eos": True, **sampling}
     want = text_of(stream(orch.url + "/v1/completions", body))
     before = [relayed(g) for g in gens]
     conn, resp = open_stream(orch.port, body)

@@ -20,6 +20,7 @@ import zmq
 
 from splitserve.engine.request import FinishReason
 from splitserve.errors import InvalidRequestError
+from splitserve.kv.checksums import block_sums
 from splitserve.kv.messages import NixlPullReply, PullRequest, TcpPullReply
 from splitserve.protocol.engine import KVHandle, RemotePrefill
 
@@ -200,7 +201,9 @@ def test_a_ctx_process_killed_mid_pull_fails_the_pull_at_once(tiny_source, backe
 # -- wrong replies ----------------------------------------------------------------------------
 
 def tcp_reply(request, frames, **fields):
-    fields = {"ctx_request_id": request.ctx_request_id, "num_blocks": request.num_blocks, **fields}
+    """A reply offering these frames, with their true checksums unless fields say otherwise."""
+    fields = {"ctx_request_id": request.ctx_request_id, "num_blocks": request.num_blocks,
+              "block_sums": block_sums(frames), **fields}
     return [msgspec.msgpack.encode(TcpPullReply(**fields)), *frames]
 
 
@@ -221,6 +224,10 @@ TCP_REPLIES = {   # name: (answer(request, block bytes, max frame), words of the
                                       "lost the connection"),
     "error reply with frames": (lambda r, b, m: tcp_reply(r, blocks(b, 1), error="no"),
                                 "error reply came with 1 more frames"),
+    "no checksums": (lambda r, b, m: tcp_reply(r, blocks(b), block_sums=b""),
+                     "0 bytes of block checksums for 6 KV blocks"),
+    "too few checksums": (lambda r, b, m: tcp_reply(r, blocks(b), block_sums=bytes(40)),
+                          "40 bytes of block checksums"),
 }
 
 

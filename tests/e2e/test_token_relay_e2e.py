@@ -1,4 +1,5 @@
-"""Token relay modes end to end: list, b64, metadata and auto give the same output."""
+"""Token relay modes end to end: list, b64, metadata and auto give the same output, greedy
+and seeded (the CTX samples the first token, the GEN the rest)."""
 
 import asyncio
 import base64
@@ -32,11 +33,16 @@ def text_of(answer) -> str:
     return c["text"] if "text" in c else c["message"]["content"]
 
 
+SEEDED = {"temperature": 1.0, "top_p": 0.9, "seed": 42}
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
 @pytest.mark.parametrize("mode", ["list", "b64", "metadata", "auto"])
 @pytest.mark.parametrize("path, body", [("/v1/completions", COMPLETION),
                                         ("/v1/chat/completions", CHAT)])
-def test_every_mode_gives_the_aggregated_output(cluster, mode, path, body):
+def test_every_mode_gives_the_aggregated_output(cluster, mode, path, body, sampling):
     ctx, gen, orch = cluster
+    body = {**body, **(SEEDED if sampling == "seeded" else {})}
     _, want = post(gen.url + path, body)
     status, got = post(orch.url + path, {**body, "token_relay": mode})
     assert status == 200 and text_of(got) == text_of(want)

@@ -144,6 +144,7 @@ def _run(steps, batch_fn, seed_of_sampler):
     for step in range(steps):
         logits, reqs, row = batch_fn(step)
         tokens.append(s(logits, reqs).token_ids[row])
+        reqs[row].output_token_ids.append(tokens[-1])   # as the scheduler appends it
     return tokens
 
 

@@ -23,10 +23,11 @@ TOKEN = "lease-token"
 
 
 class Leases(LeaseView):
-    """Hand-built leases: each begins when a transport watches, ends on end()."""
+    """Hand-built leases: each begins when a transport watches, ends on end(); every
+    watcher hears of both, as the engine's lease table tells them all."""
 
     def __init__(self, table):
-        self.table, self.released, self.ended = table, [], lambda rid: None
+        self.table, self.released, self.watchers = table, [], []
 
     def lookup(self, rid, token, digest=""):
         return self.table.get(rid) if token == TOKEN else None
@@ -39,10 +40,11 @@ class Leases(LeaseView):
     def watch(self, started, ended):
         for rid, (blocks, _) in self.table.items():
             started(rid, blocks)
-        self.ended = ended
+        self.watchers.append(ended)
 
     def end(self, rid):
-        self.ended(rid)
+        for ended in self.watchers:
+            ended(rid)
 
 
 @pytest.fixture(scope="module")

@@ -4,10 +4,15 @@ a large prompt's blocks pulled again and again; prints the median. Not a test (t
     python tests/support/kv_pull_timing.py --backend tcp --tokens 8192 --reps 9 [--secret S]
 
 --secret: the channel speaks CURVE (encrypted), keyed by S, as a cluster with an internal
-secret does.
+secret does. --checksums-ab: the pulls alternate between checksummed blocks (as served) and
+blocks whose checksums are neither computed nor checked (the transport's sum functions
+swapped for no-ops in this process), and the medians of both are printed: what the per-block
+checksums (kv/checksums.py) cost a pull.
 """
 
 import argparse
+import contextlib
+import importlib
 import queue
 import statistics
 import time
@@ -15,6 +20,7 @@ import time
 import numpy as np
 import torch
 
+from splitserve.kv import checksums
 from splitserve.kv.base import LeaseView, make_transport
 from splitserve.protocol.engine import KVHandle
 
@@ -42,6 +48,7 @@ def main() -> None:
     # SmolLM2-135M's KV layout in bfloat16: 30 layers, 3 KV heads of 64, blocks of 16.
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--secret", default=None)
+    p.add_argument("--checksums-ab", action="store_true")
     args = p.parse_args()
     n = args.tokens // 16
     src = torch.randn(n, args.layers, 2, 16, 3, 64).to(torch.bfloat16)
@@ -52,26 +59,55 @@ def main() -> None:
     gen.start(Leases({}))
     handle = KVHandle(backend=args.backend, endpoint=ctx.endpoint, ctx_request_id="r",
                       layout="L", num_tokens=args.tokens, lease_token="t")
-    walls = []
+    walls: dict[bool, list[float]] = {True: [], False: []}
     try:
-        for i in range(args.reps + 1):
-            results = queue.Queue()
-            t0 = time.perf_counter()
-            gen.pull(handle, np.arange(n)[::-1].copy(), results.put)
-            result = results.get(timeout=300)
-            wall = time.perf_counter() - t0
-            assert result.ok, result.error
+        for i in range(args.reps * (2 if args.checksums_ab else 1) + 1):
+            summed = not (args.checksums_ab and i % 2)
+            with _checksums(args.backend, summed):
+                wall = _pull(gen, handle, n)
             if i:   # the first pull connects and warms up
-                walls.append(wall)
+                walls[summed].append(wall)
         assert torch.equal(dst, src.flip(0))
     finally:
         ctx.close()
         gen.close()
     nbytes = src.numel() * src.element_size()
-    med = statistics.median(walls)
-    print(f"{args.backend}{' CURVE' if args.secret else ''}: {n} blocks, {nbytes / 1e6:.0f} MB per pull, {args.reps} pulls: "
-          f"median {med * 1e3:.2f} ms = {nbytes / med / 1e9:.2f} GB/s "
-          f"(min {min(walls) * 1e3:.2f}, max {max(walls) * 1e3:.2f} ms)")
+    for summed, times in walls.items():
+        if times:
+            med = statistics.median(times)
+            print(f"{args.backend}{' CURVE' if args.secret else ''}"
+                  f"{'' if summed else ' without checksums'}: {n} blocks, "
+                  f"{nbytes / 1e6:.0f} MB per pull, {len(times)} pulls: "
+                  f"median {med * 1e3:.2f} ms = {nbytes / med / 1e9:.2f} GB/s "
+                  f"(min {min(times) * 1e3:.2f}, max {max(times) * 1e3:.2f} ms)")
+    if args.checksums_ab:
+        ratio = statistics.median(walls[True]) / statistics.median(walls[False])
+        print(f"checksummed / not: {ratio:.3f}")
+
+
+def _pull(gen, handle, n) -> float:
+    results = queue.Queue()
+    t0 = time.perf_counter()
+    gen.pull(handle, np.arange(n)[::-1].copy(), results.put)
+    result = results.get(timeout=300)
+    assert result.ok, result.error
+    return time.perf_counter() - t0
+
+
+@contextlib.contextmanager
+def _checksums(backend: str, on: bool):
+    """With on=False, the checksum functions do nothing: no sum computed by the CTX, none
+    checked by the GEN (both transports live in this process)."""
+    module = importlib.import_module(f"splitserve.kv.{backend}")
+    saved = checksums.block_sums, module.check_block, module.expected_sums
+    if not on:
+        checksums.block_sums = lambda blocks: b""
+        module.check_block = lambda index, block, want: None
+        module.expected_sums = lambda sums, count: [0] * count
+    try:
+        yield
+    finally:
+        checksums.block_sums, module.check_block, module.expected_sums = saved
 
 
 if __name__ == "__main__":

@@ -134,6 +134,8 @@ def run(args) -> dict:
     rng = np.random.default_rng(0)
     result = _describe(engine, config, args)
     print(_headline(result))
+    if args.sampler:
+        return _write(args, {**result, "sampler_ms": _sampler(engine, args)})
     tps, other = _measure(lambda: bench_prefill(engine, args.prefill_len, args.repeats, rng))
     result["prefill_tok_s"], result["other_cores_busy"]["prefill"] = tps, other
     print(f"  prefill {args.prefill_len} tokens: {tps:7.1f} tok/s{_load_note(other)}")
@@ -150,10 +152,23 @@ def run(args) -> dict:
         result["decode_tok_s"][str(b)], result["decode_ms_step"][str(b)] = tps, 1000 * b / tps
         result["other_cores_busy"][str(b)] = other
         print(f"  decode batch {b:>3}: {tps:7.1f} tok/s  ({1000 * b / tps:.1f} ms/step){_load_note(other)}")
+    return _write(args, result)
+
+
+def _write(args, result: dict) -> dict:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
     return result
+
+
+def _sampler(engine: EngineCore, args) -> dict:
+    from splitserve.bench.engine.sampler_timing import sampler_ms
+    ms = sampler_ms(engine.model_config.vocab_size, args.batch_sizes)
+    for kind, per_batch in ms.items():
+        print(f"  sampler, {kind:>8} rows: " + ", ".join(
+            f"batch {b} {t:.3f} ms" for b, t in per_batch.items()))
+    return ms
 
 
 def _describe(engine: EngineCore, config: EngineConfig, args) -> dict:
@@ -199,4 +214,7 @@ def add_arguments(p) -> None:
                    help="also time a plain PyTorch forward of the model's shapes (nn.Linear, "
                         "SDPA, random weights; splitserve/bench/engine/plain_reference.py) over "
                         "the same prompt length: what this machine does without the engine")
+    p.add_argument("--sampler", action="store_true",
+                   help="time the sampler alone instead (random logits of the model's "
+                        "vocabulary; greedy, unseeded and seeded rows, per --batch-sizes)")
     p.add_argument("--json", default=None, help="write the results here")

@@ -1,0 +1,111 @@
+"""Per-block checksums of pulled KV: the CTX computes one for each block it offers, the GEN
+checks each block it received against it before the pull counts as done.
+
+A mismatch (a flipped bit on the wire, a NIC or a buffer that corrupted a block in flight)
+fails the pull like any other failed pull: the request's blocks are freed, never decoded and
+never entered in the prefix cache, and the orchestrator's retry prefills again. The sum is
+xxh3_64 (the fastest of xxh3_64, crc32c, xxh64, xxh32 and zlib.crc32 measured on this
+project's machines; docs/benchmarks.md has the cost), 8 little-endian bytes per block in the
+reply. Both ends run it on the KV transport's threads, never on an event loop. The CTX sums
+a lease's blocks on a thread of its own as the lease starts (LeaseSums), so the pull, which
+comes after the orchestrator's hop to a GEN, usually finds them ready.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Callable, Iterable
+
+import numpy as np
+import xxhash
+
+from splitserve.kv.sockets import BadReply
+
+SUM_BYTES = 8   # per block, in PullReply.block_sums
+
+
+class ChecksumMismatch(BadReply):
+    """A block's bytes are not those the CTX summed. Blocks of this pull may have been
+    written; the engine frees them with the failed request, so none is ever read."""
+
+
+def block_sum(block) -> int:
+    """xxh3_64 of one block's bytes (any buffer: a memoryview, a ZeroMQ frame's buffer)."""
+    return xxhash.xxh3_64_intdigest(block)
+
+
+def block_sums(blocks: Iterable) -> bytes:
+    """The reply's block_sums field for these blocks, in order."""
+    return np.fromiter((block_sum(b) for b in blocks), dtype="<u8").tobytes()
+
+
+def expected_sums(sums: bytes, count: int) -> list[int]:
+    """The sums a reply carries, as ints; BadReply unless it holds exactly `count`."""
+    if len(sums) != SUM_BYTES * count:
+        raise BadReply(f"the context worker sent {len(sums)} bytes of block checksums for "
+                       f"{count} KV blocks, expected {SUM_BYTES * count}")
+    return np.frombuffer(sums, dtype="<u8").tolist()
+
+
+def check_block(index: int, block, want: int) -> None:
+    if block_sum(block) != want:
+        raise ChecksumMismatch(f"KV block {index} arrived corrupted (its checksum is not the "
+                               f"context worker's)")
+
+
+class LeaseSums:
+    """CTX: each live lease's block checksums, summed on this object's thread as the lease
+    starts (LeaseView.watch calls started/ended on the engine thread; leased blocks are not
+    written until the lease ends). `sums` answers from them when they are ready and are the
+    lease's; otherwise (a pull that came first, a transport without lease events) the serving
+    thread sums the blocks itself. A lease id taken again is summed afresh: sums are kept per
+    start, never reused across two leases of one id."""
+
+    def __init__(self, block_view: Callable[[int], object], name: str):
+        self._view = block_view
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()   # (id, start, blocks) | None: stop
+        self._live: dict[str, object] = {}                   # id -> its lease's start
+        self._ready: dict[str, tuple[np.ndarray, bytes]] = {}
+        self._lock = threading.Lock()
+        self.thread = threading.Thread(target=self._run, daemon=True, name=f"kv-{name}-sums")
+
+    def started(self, ctx_request_id: str, blocks: np.ndarray) -> None:
+        start = object()
+        with self._lock:
+            self._live[ctx_request_id] = start
+            self._ready.pop(ctx_request_id, None)
+        self._jobs.put((ctx_request_id, start, blocks))
+
+    def ended(self, ctx_request_id: str) -> None:
+        with self._lock:
+            self._live.pop(ctx_request_id, None)
+            self._ready.pop(ctx_request_id, None)
+
+    def close(self) -> None:
+        self._jobs.put(None)
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            ctx_request_id, start, blocks = job
+            with self._lock:
+                if self._live.get(ctx_request_id) is not start:
+                    continue   # ended before its turn
+            sums = self._sum(blocks)
+            with self._lock:
+                if self._live.get(ctx_request_id) is start:
+                    self._ready[ctx_request_id] = (blocks, sums)
+
+    def sums(self, ctx_request_id: str, blocks: np.ndarray) -> bytes:
+        """The block_sums of `blocks`, the lease's from some skip on (serving thread)."""
+        with self._lock:
+            entry = self._ready.get(ctx_request_id)
+        if entry is not None:
+            leased, sums = entry
+            skip = len(leased) - len(blocks)
+            if skip >= 0 and np.array_equal(leased[skip:], blocks):
+                return sums[SUM_BYTES * skip:]
+        return self._sum(blocks)
+
+    def _sum(self, blocks: np.ndarray) -> bytes:
+        return block_sums(self._view(b) for b in blocks.tolist())
