@@ -63,14 +63,15 @@ class Request:
                  index: int = 0, kind: RequestKind = RequestKind.AGGREGATED,
                  remote: RemotePrefill | None = None, siblings: list[Request] | None = None,
                  block_hashes: list[bytes] | None = None, resumed: list[int] | None = None,
-                 hash_root: bytes = b""):
+                 hash_root: bytes = b"", device: torch.device | str = "cpu"):
         """received_time: the wall clock the engine process took it off its input socket
         (default now); waiting from then on for a step to end is queue time. An n > 1
         request's sequence `index` is child `index` of `group_id`; the leader (index 0) holds
         its not-yet-forked `siblings`, which wait for it. block_hashes: a relayed prompt's,
         verified against its KV handle. resumed: output streamed by another worker before a
         migration: it counts as this sequence's output. hash_root: where its chained block
-        hashes start (protocol/block_hashes.salted_root of its cache_salt; b"": none)."""
+        hashes start (protocol/block_hashes.salted_root of its cache_salt; b"": none).
+        device: where its seeded generator draws, the logits' (the platform's device)."""
         self.request_id = request_id
         self.prompt = prompt
         self.params = params
@@ -110,7 +111,7 @@ class Request:
         self.max_tokens = limit if params.max_tokens is None else min(params.max_tokens, limit)
         self.generator: torch.Generator | None = None
         if params.seed is not None:
-            self.generator = torch.Generator().manual_seed(params.seed)
+            self.generator = torch.Generator(device).manual_seed(params.seed)
 
     @property
     def num_prompt_tokens(self) -> int:

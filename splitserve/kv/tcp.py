@@ -1,10 +1,11 @@
 """The built-in KV transport: ZeroMQ over TCP, blocks sent straight from the KV cache.
 
 CTX: the reply to a PullRequest is followed by one frame per block, each a zero-copy view of
-the cache (the blocks are leased, so nothing writes them until GEN's PullAck releases the
-lease). GEN: checks that the offer is exactly its blocks (count, and each frame exactly one
+a CPU cache (the blocks are leased, so nothing writes them until GEN's PullAck releases the
+lease) or a GPU block's copy in pinned host memory (the platform's blocks_to_host). GEN: checks that the offer is exactly its blocks (count, and each frame exactly one
 block's bytes; its socket refuses larger frames) and only then copies each frame into its
-own blocks. The conversation itself is kv.zmq_pull's.
+own blocks (on a GPU through pinned staging buffers, the copies in flight while the next
+frame is read). The conversation itself is kv.zmq_pull's.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ class TcpTransport(ZmqPullTransport):
     reply_type = TcpPullReply
 
     def _offer(self, ctx_request_id: str, blocks: np.ndarray) -> tuple[TcpPullReply, list]:
-        frames = [memoryview(self.block_bytes(b).numpy()) for b in blocks.tolist()]
+        frames = self.platform.blocks_to_host([self.block_bytes(b) for b in blocks.tolist()])
         return TcpPullReply(ctx_request_id=ctx_request_id, num_blocks=len(blocks)), frames
 
     def _max_frame(self) -> int:
@@ -39,5 +40,6 @@ class TcpTransport(ZmqPullTransport):
             if len(frame) != size:
                 raise BadReply(f"KV block frame {i} holds {len(frame)} bytes, expected {size}")
         for block, frame in zip(dst.tolist(), frames):
-            self.block_bytes(block).numpy()[:] = np.frombuffer(frame.buffer, dtype=np.uint8)
+            self.platform.host_to_block(frame.buffer, self.block_bytes(block))
+        self.platform.finish_transfers()
         return len(dst) * size

@@ -45,8 +45,9 @@ class ZmqPullTransport(KVTransport):
 
     def __init__(self, kv_cache: torch.Tensor, layout: str, host: str = "127.0.0.1",
                  port: int = 0, timeout: float = 30.0, connect_timeout: float = 5.0,
-                 idle_seconds: float = 60.0, pull_threads: int = 8, secret: str | None = None):
-        super().__init__(kv_cache, layout)
+                 idle_seconds: float = 60.0, pull_threads: int = 8, secret: str | None = None,
+                 platform=None):
+        super().__init__(kv_cache, layout, platform)
         self.host, self.port, self.timeout = host, port, timeout
         self.connect_timeout = connect_timeout
         self.keys = CurveKeys.from_secret(secret) if secret else None
