@@ -127,7 +127,8 @@ class EngineConfig:
     # what the weights leave of it. CUDA only: on the CPU the engine refuses it.
     gpu_memory_utilization: float | None = field(default=None, metadata=flag(
         "--gpu-memory-utilization", "fraction of the GPU's memory this worker may use, the KV "
-        "cache sized from what the weights leave (device cuda only; default: --kv-cache-gib)"))
+        "cache sized from what the weights leave (device cuda only; default: --kv-cache-gib)",
+        metavar="FRACTION"))
     cache: CacheConfig = field(default_factory=CacheConfig, metadata=flags_within())
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig, metadata=flags_within())
     kv: KVTransferConfig = field(default_factory=KVTransferConfig, metadata=flags_within())
