@@ -11,6 +11,10 @@ import sys
 def _bench(args) -> int:
     if args.bench_cmd == "engine":
         from splitserve.bench.engine import main as engine
+        try:
+            engine.engine_config(args)
+        except ValueError as exc:
+            _bad_config("bench engine", exc)
         engine.place(args)
         engine.run(args)
     elif args.bench_cmd == "serve":

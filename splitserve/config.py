@@ -2,22 +2,19 @@
 
 from __future__ import annotations
 
-import functools
-import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from splitserve.flags import flag, flags_within
 from splitserve.kv import TRANSPORT_MODULES
+from splitserve.platforms import DEVICES, check_device
 
 if TYPE_CHECKING:
     import torch
 
-logger = logging.getLogger(__name__)
-
 # Names only: torch loads where a model runs (an engine process, `bench engine`), never for a
 # process that only reads configuration (the orchestrator, `splitserve up`'s parent).
-DTYPES = ("auto", "float32", "bfloat16", "float16")    # auto: see auto_dtype()
+DTYPES = ("auto", "float32", "bfloat16", "float16")    # auto: the platform's default_dtype()
 QUANTIZATIONS = ("int8", "fp16")   # model/quant.py: the weight paths behind each
 
 
@@ -105,8 +102,11 @@ class EngineConfig:
     model: str | None = field(default=None, metadata=flag(
         "--model", "a Hugging Face folder, a .gguf file or tiny-random (default: the bundled "
                    "SmolLM2-135M-Instruct)"))
+    device: str = field(default="auto", metadata=flag(
+        "--device", "where the model runs; auto: cuda when PyTorch sees a GPU, else cpu",
+        choices=DEVICES))
     dtype: str = field(default="auto", metadata=flag(
-        "--dtype", "auto: bfloat16 where the CPU computes it natively, else float32",
+        "--dtype", "auto: bfloat16 on a GPU or where the CPU computes it natively, else float32",
         choices=DTYPES))
     quantization: str | None = field(default=None, metadata=flag(
         "--quantization", "int8 (per output channel) or fp16 weights, activations in float32 "
@@ -123,11 +123,23 @@ class EngineConfig:
     seed: int | None = field(default=None, metadata=flag(
         "--seed", "seeds the sampler for requests without a seed of their own (default: a "
                   "random seed)"))
+    # vLLM's meaning: the fraction of the GPU's memory this process may use; the KV cache gets
+    # what the weights leave of it. CUDA only: on the CPU the engine refuses it.
+    gpu_memory_utilization: float | None = field(default=None, metadata=flag(
+        "--gpu-memory-utilization", "fraction of the GPU's memory this worker may use, the KV "
+        "cache sized from what the weights leave (device cuda only; default: --kv-cache-gib)",
+        metavar="FRACTION"))
     cache: CacheConfig = field(default_factory=CacheConfig, metadata=flags_within())
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig, metadata=flags_within())
     kv: KVTransferConfig = field(default_factory=KVTransferConfig, metadata=flags_within())
 
     def __post_init__(self):
+        check_device(self.device)
+        _require(self.gpu_memory_utilization is None or 0 < self.gpu_memory_utilization <= 1,
+                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        _require(self.gpu_memory_utilization is None or self.device != "cpu",
+                 "gpu_memory_utilization applies to device cuda only; on the CPU the KV cache "
+                 "is --kv-cache-gib or --num-blocks")
         _require(self.dtype in DTYPES,
                  f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         _require(self.quantization is None or self.quantization in QUANTIZATIONS,
@@ -143,27 +155,15 @@ class EngineConfig:
         _require(self.num_threads is None or self.num_threads >= 1, "num_threads must be >= 1")
 
     @property
+    def platform(self):
+        """The device's platform (splitserve/platforms/), auto resolved; loads torch."""
+        from splitserve.platforms import platform_for
+        return platform_for(self.device)
+
+    @property
     def torch_dtype(self) -> "torch.dtype":
         """The dtype activations, float weights and the KV cache are held in."""
         import torch
         if self.quantization is not None:   # quantized matmuls take and return float32
             return torch.float32
-        return auto_dtype() if self.dtype == "auto" else getattr(torch, self.dtype)
-
-
-@functools.cache
-def auto_dtype() -> "torch.dtype":
-    """bfloat16 where the CPU multiplies bfloat16 natively (AVX512-BF16 or AMX), else float32:
-    without those, PyTorch's bfloat16 matmuls convert in software and run 3-7x slower than
-    float32 (measured on AVX2), so halving the bytes does not pay. The CPU flags alone do not
-    decide: ATEN_CPU_CAPABILITY=avx2 or ONEDNN_MAX_CPU_ISA=AVX2 keep PyTorch's kernels and
-    oneDNN off AVX512 on an AVX512 CPU, and then bfloat16 is as slow as on AVX2."""
-    import torch
-    bf16 = getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
-    amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
-    usable = (torch.backends.cpu.get_cpu_capability().startswith("AVX512")
-              and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    dtype = torch.bfloat16 if (bf16 or amx) and usable else torch.float32
-    logger.info("dtype auto -> %s (CPU capability %s, avx512_bf16 %s, amx %s)",
-                str(dtype).removeprefix("torch."), torch.backends.cpu.get_cpu_capability(), bf16, amx)
-    return dtype
+        return self.platform.default_dtype() if self.dtype == "auto" else getattr(torch, self.dtype)

@@ -85,3 +85,16 @@ def kernel_march() -> str:
     """SPLITSERVE_KERNEL_MARCH: the -march the C kernels are built for (default native, this
     CPU; e.g. haswell gives AVX2 code on an AVX-512 machine, to measure what an AVX2 one gets)."""
     return os.environ.get("SPLITSERVE_KERNEL_MARCH") or "native"
+
+
+ATTENTION = "SPLITSERVE_ATTENTION"
+
+
+def attention_backend() -> str | None:
+    """SPLITSERVE_ATTENTION: `torch` runs a CPU engine's attention in plain torch ops (gather
+    blocks + SDPA, the backend a GPU uses) instead of the C kernels, so tests cover it; `native`
+    or unset: the platform's choice."""
+    value = os.environ.get(ATTENTION, "").strip().lower()
+    if value not in ("", "native", "torch"):
+        raise ValueError(f"{ATTENTION} must be native or torch, got {value!r}")
+    return value or None

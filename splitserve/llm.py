@@ -60,6 +60,7 @@ class LLM:
     """The defaults are the config dataclasses' (those of `splitserve serve`)."""
 
     def __init__(self, model: str | None = EngineConfig.model, *,
+                 device: str = EngineConfig.device,
                  dtype: str = EngineConfig.dtype,
                  quantization: str | None = EngineConfig.quantization,
                  max_model_len: int | None = EngineConfig.max_model_len,
@@ -70,10 +71,12 @@ class LLM:
                  max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens,
                  max_num_seqs: int = SchedulerConfig.max_num_seqs,
                  seed: int | None = EngineConfig.seed,
-                 num_threads: int | None = EngineConfig.num_threads):
+                 num_threads: int | None = EngineConfig.num_threads,
+                 gpu_memory_utilization: float | None = EngineConfig.gpu_memory_utilization):
         config = EngineConfig(
-            model=model, dtype=dtype, quantization=quantization, max_model_len=max_model_len,
-            num_threads=num_threads, seed=seed,
+            model=model, device=device, dtype=dtype, quantization=quantization,
+            max_model_len=max_model_len, num_threads=num_threads, seed=seed,
+            gpu_memory_utilization=gpu_memory_utilization,
             cache=CacheConfig(block_size=block_size, num_blocks=num_blocks,
                               memory_bytes=kv_cache_memory_bytes,
                               enable_prefix_caching=enable_prefix_caching),

@@ -40,25 +40,28 @@ class EngineCore(FailureHandling):
         self.source = source or load_model_source(config.model)
         cfg = self.model_config = self.source.config
         self.tokenizer = self.source.tokenizer
+        platform = config.platform
+        platform.check_config(config.quantization)
         model = build_model(cfg, self.source.weights(), config.torch_dtype, config.quantization,
-                            config.pack_weights)
+                            config.pack_weights, platform)
         block_size = config.cache.block_size
+        kv_bytes = platform.kv_cache_bytes(config.cache.memory_bytes, config.gpu_memory_utilization)
         num_blocks = config.cache.num_blocks or max(
-            config.cache.memory_bytes // ModelRunner.kv_block_bytes(cfg, block_size, config.torch_dtype), 2)
+            kv_bytes // ModelRunner.kv_block_bytes(cfg, block_size, config.torch_dtype), 2)
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings,
                                  cfg.max_position_embeddings, num_blocks * block_size)
         self.block_manager = BlockManager(num_blocks, block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
-        self.runner = ModelRunner(model, cfg, num_blocks, block_size, config.torch_dtype)
-        self.sampler = Sampler(cfg.vocab_size, seed=config.seed)
+        self.runner = ModelRunner(model, cfg, num_blocks, block_size, config.torch_dtype, platform)
+        self.sampler = Sampler(cfg.vocab_size, seed=config.seed, device=platform.device)
         self.pending: list[CompletionDelta] = []   # deltas produced between steps (aborts)
         self._batch: list[Request] = []            # the running step's requests
         self.remote_kv = RemoteKV(config.kv, self.block_manager, self.runner.kv_cache, cfg,
-                                  config.torch_dtype)
+                                  config.torch_dtype, platform)
         self.output = OutputBuilder(self.tokenizer)
-        logger.info("engine: %s %s, %d KV blocks of %d tokens, max_model_len %d", cfg.name,
-                    str(config.torch_dtype).removeprefix("torch."), num_blocks, block_size,
-                    self.max_model_len)
+        logger.info("engine: %s %s on %s, %d KV blocks of %d tokens, max_model_len %d", cfg.name,
+                    str(config.torch_dtype).removeprefix("torch."), platform.name, num_blocks,
+                    block_size, self.max_model_len)
 
     # -- requests in ----------------------------------------------------------------------
     def add_request(self, request: EngineRequest) -> None:

@@ -43,14 +43,16 @@ class PullStats:
 
 
 class RemoteKV:
-    def __init__(self, config: KVTransferConfig, bm: BlockManager, kv_cache, model_config, dtype):
+    def __init__(self, config: KVTransferConfig, bm: BlockManager, kv_cache, model_config, dtype,
+                 platform=None):
         self.config = config
         self.bm = bm
         self.layout = layout_fingerprint(model_config, dtype, bm.block_size)
         self.wake = lambda: None          # the process wrapper points this at its loop
         self.leases = LeaseTable(config.lease_seconds, wake=lambda: self.wake())
         self.peers = KVPeers(config.peers)
-        self.transport = make_transport(config.backend, kv_cache, self.layout, host=config.host,
+        self.transport = make_transport(config.backend, kv_cache, self.layout, platform=platform,
+                                        host=config.host,
                                         port=config.port, timeout=config.timeout,
                                         connect_timeout=config.connect_timeout,
                                         idle_seconds=config.idle_seconds,

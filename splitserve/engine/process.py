@@ -17,12 +17,9 @@ import threading
 import time
 
 import msgspec
-import torch
 import zmq
 
-from splitserve import envs, placement, redact
-from splitserve.kernels import build
-from splitserve.model import native_pool
+from splitserve import envs, redact
 from splitserve.config import EngineConfig
 from splitserve.engine.core import EngineCore
 from splitserve.engine.kv_report import CacheReporter
@@ -57,7 +54,7 @@ def run_engine_core(config: EngineConfig, input_addrs: str | list[str],
     in_q: queue.Queue = queue.Queue()
     threading.Thread(target=_send_loop, args=(ctx, output_addrs, out_q, in_q), daemon=True).start()
     try:
-        _pin()
+        config.platform.place_process()   # before torch starts its OpenMP threads, which inherit it
         engine = EngineCore(config)
     except Exception as exc:
         logger.exception("engine failed to start")
@@ -76,9 +73,9 @@ def run_engine_core(config: EngineConfig, input_addrs: str | list[str],
     sys.setswitchinterval(SWITCH_INTERVAL)
     bm = engine.block_manager
     dtype = str(engine.runner.kv_cache.dtype).removeprefix("torch.")
-    logger.info("engine: %s, %d torch thread(s) on CPUs %s, %s%s", dtype, torch.get_num_threads(),
-                placement.format_cpus(tuple(os.sched_getaffinity(0))), build.status(),
-                _start_helper(engine.runner.kv_cache.dtype))
+    platform = engine.runner.platform
+    logger.info("engine: %s on %s, %s%s", dtype, platform.name, platform.describe(),
+                platform.start_helpers(engine.runner.kv_cache.dtype))
     out_q.put(EngineReady(engine.model_config.name, dtype, engine.model_config.vocab_size,
                           engine.max_model_len, bm.num_blocks, bm.block_size,
                           engine.remote_kv.endpoint))
@@ -93,23 +90,6 @@ def run_engine_core(config: EngineConfig, input_addrs: str | list[str],
 
 
 _WAKE = object()
-
-
-def _start_helper(dtype: torch.dtype) -> str:
-    """Starts the C kernels' helper thread on SPLITSERVE_ENGINE_HELPER_CPU when this engine
-    runs them (float32) on one torch thread (native_pool.py); what the start line says."""
-    cpu = envs.engine_helper_cpu()
-    if cpu is None or dtype != torch.float32 or torch.get_num_threads() != 1:
-        return ""
-    return f", kernels borrow CPU {cpu}'s idle time" if native_pool.start(cpu) else ""
-
-
-def _pin() -> None:
-    """Pins the process to its CPUs (SPLITSERVE_ENGINE_CPUS) before torch starts its OpenMP
-    threads (at the first parallel region, in EngineCore), so that they inherit them."""
-    cpus = envs.engine_cpus()
-    if cpus:
-        placement.pin_process(placement.parse_cpus(cpus), "engine")
 
 
 def _step_loop(engine: EngineCore, in_q: queue.Queue, out_q: queue.Queue, parent: int,

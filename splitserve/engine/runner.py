@@ -1,7 +1,8 @@
 """Model runner: turns a scheduled batch into tensors, runs the model, returns logits.
 
-Owns the KV cache tensor. Nothing here decides what to run (scheduler) or what to do with
-the logits (sampler); it only gathers token ids, positions and block tables.
+Owns the KV cache tensor, on the platform's device (platforms/). Nothing here decides what to
+run (scheduler) or what to do with the logits (sampler); it only gathers token ids, positions
+and block tables, and hands them to the device.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ import torch
 from splitserve.engine.request import Request
 from splitserve.model.attention import GatherBuffer, build_metadata
 from splitserve.model.config import ModelConfig
-from splitserve.model import native_pool
 from splitserve.model.llama import LlamaModel
+from splitserve.platforms import platform_for
+from splitserve.platforms.base import Platform
 
 
 @dataclass
@@ -28,19 +30,20 @@ class StepResult:
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, cfg: ModelConfig, num_blocks: int, block_size: int,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, platform: Platform | None = None):
         self.model = model
         self.cfg = cfg
         self.block_size = block_size
+        self.platform = platform or platform_for("cpu")
         # (num_blocks, layers, k|v, block_size, kv_heads, head_dim); see model/attention.py
-        self.kv_cache = torch.zeros(num_blocks, cfg.num_layers, 2, block_size, cfg.num_kv_heads,
-                                    cfg.head_dim, dtype=dtype)
-        self.gather_buffer = GatherBuffer(dtype)
+        self.kv_cache = self.platform.alloc_kv_cache(
+            (num_blocks, cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim), dtype)
+        self.gather_buffer = GatherBuffer(dtype, self.platform.device)
+        self.native_attention = self.platform.attention_backend() == "native"
 
     def __del__(self):
-        # The C kernels' helper thread may still be running a range it lost its CPU in,
-        # reading the weights and this KV cache, which are freed once this returns.
-        native_pool.quiesce()
+        # Helper threads may still read the weights and this KV cache, freed once this returns.
+        self.platform.quiesce()
 
     @staticmethod
     def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -63,9 +66,11 @@ class ModelRunner:
             else:
                 prefills.append((req.block_ids, start, n))
         meta = build_metadata(self.block_size, decodes, prefills, self.cfg.sliding_window,
-                              self.kv_cache.dtype, self.gather_buffer)
-        input_ids = torch.from_numpy(np.concatenate(ids).astype(np.int64))
-        hidden = self.model(input_ids, torch.from_numpy(np.concatenate(positions)), self.kv_cache, meta)
+                              self.kv_cache.dtype, self.gather_buffer, self.platform.to_device,
+                              self.native_attention)
+        to_device = self.platform.to_device
+        hidden = self.model(to_device(np.concatenate(ids).astype(np.int64)),
+                            to_device(np.concatenate(positions)), self.kv_cache, meta)
         return self._logits(scheduled, hidden)
 
     def _logits(self, scheduled: dict[Request, int], hidden: torch.Tensor) -> StepResult:

@@ -46,13 +46,14 @@ class Sampler:
     position (engine/seeded.py), so its tokens do not depend on what else shares the batch,
     nor on which worker sampled them."""
 
-    def __init__(self, vocab_size: int, seed: int | None = None):
+    def __init__(self, vocab_size: int, seed: int | None = None,
+                 device: torch.device | str = "cpu"):
         if vocab_size < 1:
             raise ValueError(f"vocab_size must be positive, got {vocab_size}")
         self.vocab_size = vocab_size
         if seed is None:
             seed = int.from_bytes(os.urandom(8), "little")
-        self.generator = torch.Generator().manual_seed(seed)
+        self.generator = torch.Generator(device).manual_seed(seed)   # the logits' device
 
     def __call__(self, logits: Tensor, requests: list[Request]) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != len(requests):
@@ -69,9 +70,10 @@ class Sampler:
         elif not greedy:
             tokens = self._sample(x, requests)
         else:
-            tokens = torch.empty(len(requests), dtype=torch.long)
+            tokens = torch.empty(len(requests), dtype=torch.long, device=x.device)
             rand = [i for i, r in enumerate(requests) if not r.params.greedy]
-            g_idx, r_idx = torch.tensor(greedy), torch.tensor(rand)
+            g_idx = torch.tensor(greedy, device=x.device)
+            r_idx = torch.tensor(rand, device=x.device)
             tokens[g_idx] = x[g_idx].argmax(dim=-1)
             tokens[r_idx] = self._sample(x[r_idx], [requests[i] for i in rand])
         token_ids = tokens.tolist()
@@ -96,8 +98,9 @@ class Sampler:
         """In place on one (V,) row."""
         p, vocab = req.params, row.shape[0]
         if p.logit_bias:
-            ids = torch.tensor(list(p.logit_bias.keys()), dtype=torch.long)
-            row[ids] += torch.tensor(list(p.logit_bias.values()), dtype=row.dtype)
+            ids = torch.tensor(list(p.logit_bias.keys()), dtype=torch.long, device=row.device)
+            row[ids] += torch.tensor(list(p.logit_bias.values()), dtype=row.dtype,
+                                     device=row.device)
         if masks_eos:
             banned = [t for t in (*req.eos_token_ids, *p.stop_token_ids) if 0 <= t < vocab]
             row[banned] = float("-inf")
@@ -105,13 +108,14 @@ class Sampler:
             # The only read of prompt values in the sampler. On a generation worker the
             # prompt may be a length-only placeholder that raises PlaceholderReadError;
             # the guard that keeps such requests away from this branch lives beside us.
-            seen = _counts(req.prompt.array, vocab) + _counts(req.output_token_ids, vocab) > 0
+            seen = (_counts(req.prompt.array, vocab, row.device)
+                    + _counts(req.output_token_ids, vocab, row.device) > 0)
             penalized = torch.where(row > 0, row / p.repetition_penalty,
                                     row * p.repetition_penalty)
             row.copy_(torch.where(seen, penalized, row))
         if p.frequency_penalty or p.presence_penalty:
             # OpenAI: only generated tokens count; the prompt is not penalised.
-            counts = _counts(req.output_token_ids, vocab).to(row.dtype)      # (V,)
+            counts = _counts(req.output_token_ids, vocab, row.device).to(row.dtype)      # (V,)
             row -= counts * p.frequency_penalty + (counts > 0).to(row.dtype) * p.presence_penalty
 
     # -- random sampling ----------------------------------------------------------------
@@ -119,12 +123,13 @@ class Sampler:
         """x: (R, V) adjusted logits of non-greedy rows -> (R,) token ids."""
         ps = [r.params for r in requests]
         # A tiny positive temperature is clamped, not special-cased: logits / 1e-10 overflow.
-        temps = torch.tensor([max(p.temperature, _MIN_TEMPERATURE) for p in ps], dtype=x.dtype)
+        temps = torch.tensor([max(p.temperature, _MIN_TEMPERATURE) for p in ps], dtype=x.dtype,
+                             device=x.device)
         x = x / temps.unsqueeze(1)
         x = _top_k_top_p(x, [p.top_k for p in ps], [p.top_p for p in ps])
         if any(p.min_p > 0 for p in ps):
             probs = x.softmax(dim=-1)                                           # (R, V)
-            min_p = torch.tensor([p.min_p for p in ps], dtype=x.dtype).unsqueeze(1)
+            min_p = torch.tensor([p.min_p for p in ps], dtype=x.dtype, device=x.device).unsqueeze(1)
             x = x.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
         probs = x.softmax(dim=-1)                                               # (R, V)
         keyed = [i for i, r in enumerate(requests) if r.params.seed is not None]
@@ -134,7 +139,8 @@ class Sampler:
             return self._seeded(probs, requests)
         tokens = torch.empty(len(requests), dtype=torch.long, device=probs.device)
         shared = [i for i, r in enumerate(requests) if r.params.seed is None]
-        s_idx, u_idx = torch.tensor(keyed), torch.tensor(shared)
+        s_idx = torch.tensor(keyed, device=probs.device)
+        u_idx = torch.tensor(shared, device=probs.device)
         tokens[s_idx] = self._seeded(probs[s_idx], [requests[i] for i in keyed])
         tokens[u_idx] = self._race(probs[u_idx])
         return tokens
@@ -143,10 +149,10 @@ class Sampler:
         """(R, V) probabilities of unseeded rows -> (R,) tokens, noise from self.generator.
         Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) picks i with probability p_i.
         With E = -log U, argmax(p / E) = argmin(p / log U): saves two passes over (R, V)."""
-        u = torch.empty(probs.shape).uniform_(generator=self.generator)         # (R, V)
+        u = torch.empty(probs.shape, device=probs.device).uniform_(generator=self.generator)  # (R, V)
         # U == 0 would give log U = -inf and p / -inf = -0, a tie with p = 0 tokens.
         # Strictly negative and finite: p > 0 always scores below every p = 0 token.
-        log_u = u.clamp_(min=torch.finfo(u.dtype).tiny).log_().to(probs.device)
+        log_u = u.clamp_(min=torch.finfo(u.dtype).tiny).log_()
         return (probs / log_u).argmin(dim=-1)
 
     @staticmethod
@@ -166,26 +172,27 @@ class Sampler:
         rows = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
         if not rows:
             return out
-        idx = torch.tensor(rows)
-        lps = token_logprobs(raw[idx].log_softmax(dim=-1), torch.tensor(token_ids)[idx],
+        idx = torch.tensor(rows, device=raw.device)
+        lps = token_logprobs(raw[idx].log_softmax(dim=-1),
+                             torch.tensor(token_ids, device=raw.device)[idx],
                              [requests[i].params.logprobs for i in rows])
         for i, lp in zip(rows, lps):
             out[i] = lp
         return out
 
 
-def _counts(ids, vocab: int) -> Tensor:
-    """(V,) occurrences of each id in `ids` (a list or an int32 array)."""
+def _counts(ids, vocab: int, device) -> Tensor:
+    """(V,) occurrences of each id in `ids` (a list or an int32 array), on `device`."""
     t = torch.from_numpy(np.asarray(ids, dtype=np.int64))    # copies: prompt arrays are read-only
-    return torch.bincount(t, minlength=vocab)[:vocab]
+    return torch.bincount(t.to(device), minlength=vocab)[:vocab]
 
 
 def _top_k_top_p(x: Tensor, top_k: list[int], top_p: list[float]) -> Tensor:
     """x: (R, V) temperature-scaled logits. Keeps each row's top_k most likely tokens (<= 0:
     all), then the smallest set whose probability reaches top_p; always keeps the top token."""
     vocab = x.shape[1]
-    ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_k])           # (R,)
-    ps = torch.tensor(top_p, dtype=x.dtype)                                     # (R,)
+    ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_k], device=x.device)  # (R,)
+    ps = torch.tensor(top_p, dtype=x.dtype, device=x.device)                    # (R,)
     # top_p == 1 must keep everything even when a float cumsum reaches 1 early.
     ps = ps.masked_fill(ps >= 1.0, float("inf"))
     uses_k, uses_p = ks < vocab, ps < 1.0
@@ -210,7 +217,7 @@ def _nucleus(x: Tensor, ks: Tensor, ps: Tensor, width: int) -> tuple[Tensor, Ten
     """The `width` best logits per row, best first, with those outside top_k / top_p set to
     -inf; their ids; and (R,) which top_p rows' nucleus does not fit in `width`."""
     vals, order = x.topk(width, dim=-1)                                         # (R, W) each
-    positions = torch.arange(width).unsqueeze(0)                                # (1, W)
+    positions = torch.arange(width, device=x.device).unsqueeze(0)               # (1, W)
     vals = vals.masked_fill(positions >= ks.unsqueeze(1), float("-inf"))
     # Rows whose top_k fits in the window normalise over it; the rest over the whole row.
     lse = torch.where(ks <= width, vals.logsumexp(dim=-1), x.logsumexp(dim=-1))  # (R,)
@@ -239,7 +246,7 @@ def prompt_logprobs(logits: Tensor, target_ids, k: int,
     """logits: (T, V), row t predicting target_ids[t] (the next prompt token) -> T entries,
     each with its k best alternatives. Works in row chunks so a long prompt never holds a
     second full (T, V) float tensor. `vocab_size` drops padded lm_head columns."""
-    targets = torch.as_tensor(np.asarray(target_ids, dtype=np.int64))          # (T,)
+    targets = torch.as_tensor(np.asarray(target_ids, dtype=np.int64), device=logits.device)  # (T,)
     if logits.dim() != 2 or targets.shape != (logits.shape[0],):
         raise ValueError(f"prompt_logprobs needs (T, V) logits and (T,) targets, got "
                          f"{tuple(logits.shape)} and {tuple(targets.shape)}")

@@ -23,6 +23,8 @@ import torch
 from splitserve.kv import TRANSPORT_MODULES
 from splitserve.kv.messages import PullRequest
 from splitserve.model.config import ModelConfig
+from splitserve.platforms import platform_for
+from splitserve.platforms.base import Platform
 from splitserve.protocol.engine import KVHandle
 
 
@@ -36,7 +38,12 @@ class PullResult:
 
 
 def layout_fingerprint(cfg: ModelConfig, dtype: torch.dtype, block_size: int) -> str:
-    """Readable, so the log of a mismatch says what differs (clients are told less)."""
+    """Readable, so the log of a mismatch says what differs (clients are told less).
+
+    The device is not in it: a block's bytes are the same on every device (the same dtype,
+    the same block-major layout, little-endian), so a CPU CTX and a GPU GEN exchange KV over
+    tcp, each side copying through its platform. A transport that cannot reach a device's
+    memory refuses to start there instead (nixl on CUDA)."""
     return (f"{cfg.name}|{str(dtype).removeprefix('torch.')}|layers={cfg.num_layers}"
             f"|kv_heads={cfg.num_kv_heads}|head_dim={cfg.head_dim}|block={block_size}")
 
@@ -97,9 +104,11 @@ class KVTransport(abc.ABC):
 
     name: str = ""
 
-    def __init__(self, kv_cache: torch.Tensor, layout: str):
+    def __init__(self, kv_cache: torch.Tensor, layout: str, platform: Platform | None = None):
         self.kv_cache = kv_cache     # (num_blocks, layers, 2, block_size, kv_heads, head_dim)
         self.layout = layout
+        # The cache's device: how a block's bytes reach a socket and back (platforms/).
+        self.platform = platform or platform_for("cpu")
         self.block_nbytes = kv_cache[0].numel() * kv_cache.element_size()
 
     @abc.abstractmethod

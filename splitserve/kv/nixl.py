@@ -146,8 +146,12 @@ class NixlTransport(ZmqPullTransport):
     def __init__(self, kv_cache: torch.Tensor, layout: str, host: str = "127.0.0.1",
                  **options):
         # The agent before the ZeroMQ context (super().__init__): a failure leaves no context open.
+        platform = options.get("platform")
+        if platform is not None and not platform.nixl_memory:
+            raise ValueError(f"KV backend nixl: a {platform.name} KV cache is not registered with "
+                             "NIXL yet; use --kv-backend tcp")
         nixl = _import_nixl()
-        assert kv_cache.is_contiguous() and kv_cache.device.type == "cpu"
+        assert kv_cache.is_contiguous()
         _default_ucx_env(host)
         self.agent_name = f"splitserve-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.agent = _make_agent(nixl, self.agent_name)
@@ -171,8 +175,8 @@ class NixlTransport(ZmqPullTransport):
         """Registers the lease's runs of blocks (engine thread): all a GEN's READ may name."""
         self._lease_ended(ctx_request_id)   # an id leased again: its old lease is gone
         starts, _, counts = block_runs(blocks, blocks)
-        reg = self.agent.register_memory(
-            _descs(self.kv_cache.data_ptr(), self.block_nbytes, starts, counts), "DRAM")
+        reg = self.agent.register_memory(_descs(self.kv_cache.data_ptr(), self.block_nbytes,
+                                                starts, counts), self.platform.nixl_memory)
         try:
             metadata = self.agent.get_partial_agent_metadata(reg, True, ["UCX"])
         except Exception:
@@ -254,8 +258,8 @@ class NixlTransport(ZmqPullTransport):
     def _read(self, remote: str, reply: NixlPullReply, dst: np.ndarray, deadline: float) -> None:
         """One READ of every run of blocks; returns once the bytes are in the local cache."""
         srcs, dsts, counts = block_runs(np.array(reply.block_ids, dtype=np.int64), dst)
-        local = self.agent.get_xfer_descs(
-            _descs(self.kv_cache.data_ptr(), self.block_nbytes, dsts, counts), "DRAM")
+        local = self.agent.get_xfer_descs(_descs(self.kv_cache.data_ptr(), self.block_nbytes,
+                                                 dsts, counts), self.platform.nixl_memory)
         far = self.agent.get_xfer_descs(_descs(reply.base_addr, self.block_nbytes, srcs, counts), "DRAM")
         what = f"NIXL read of {len(dst)} KV blocks from agent {remote}"
         try:

@@ -24,8 +24,8 @@ logger = logging.getLogger(__name__)
 
 @register("none")
 class NoneTransport(KVTransport):
-    def __init__(self, kv_cache, layout: str, host: str = "127.0.0.1", **_unused):
-        super().__init__(kv_cache, layout)
+    def __init__(self, kv_cache, layout: str, host: str = "127.0.0.1", platform=None, **_unused):
+        super().__init__(kv_cache, layout, platform)
         self.host = host
 
     def start(self, leases: LeaseView) -> str:

@@ -2,11 +2,14 @@
 
 CTX: the reply to a PullRequest is followed by one frame per block, each a zero-copy view of
 the cache (the blocks are leased, so nothing writes them until GEN's PullAck releases the
-lease), and the reply carries each block's checksum (summed as the lease started). GEN:
-checks that the offer is exactly its blocks (count, checksums, and each frame exactly one
-block's bytes; its socket refuses larger frames) and only then copies each frame into its
-own blocks, checking its checksum as it goes (the frame is summed just before its copy,
-while it is in cache): a corrupted block fails the pull. The conversation itself is kv.zmq_pull's.
+lease), or on a GPU a copy of the blocks in pinned host memory (the platform's
+blocks_to_host); the reply carries each block's checksum (summed as the lease started).
+GEN: checks that the offer is exactly its blocks (count, checksums, and each frame exactly
+one block's bytes; its socket refuses larger frames) and only then copies each frame into
+its own blocks, checking its checksum as it goes (the frame is summed just before its copy,
+while it is in cache; on a GPU the copies go through pinned staging buffers, in flight while
+the next frame is read): a corrupted block fails the pull. The conversation itself is
+kv.zmq_pull's.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ class TcpTransport(ZmqPullTransport):
     reply_type = TcpPullReply
 
     def _offer(self, ctx_request_id: str, blocks: np.ndarray) -> tuple[TcpPullReply, list]:
-        frames = [memoryview(self.block_bytes(b).numpy()) for b in blocks.tolist()]
+        frames = self.platform.blocks_to_host([self.block_bytes(b) for b in blocks.tolist()])
         return TcpPullReply(ctx_request_id=ctx_request_id, num_blocks=len(blocks),
                             block_sums=self.lease_sums.sums(ctx_request_id, blocks)), frames
 
@@ -46,5 +49,6 @@ class TcpTransport(ZmqPullTransport):
         sums = expected_sums(reply.block_sums, len(dst))
         for i, (block, frame, want) in enumerate(zip(dst.tolist(), frames, sums)):
             check_block(i, frame.buffer, want)
-            self.block_bytes(block).numpy()[:] = np.frombuffer(frame.buffer, dtype=np.uint8)
+            self.platform.host_to_block(frame.buffer, self.block_bytes(block))
+        self.platform.finish_transfers()
         return len(dst) * size

@@ -46,8 +46,9 @@ class ZmqPullTransport(KVTransport):
 
     def __init__(self, kv_cache: torch.Tensor, layout: str, host: str = "127.0.0.1",
                  port: int = 0, timeout: float = 30.0, connect_timeout: float = 5.0,
-                 idle_seconds: float = 60.0, pull_threads: int = 8, secret: str | None = None):
-        super().__init__(kv_cache, layout)
+                 idle_seconds: float = 60.0, pull_threads: int = 8, secret: str | None = None,
+                 platform=None):
+        super().__init__(kv_cache, layout, platform)
         self.host, self.port, self.timeout = host, port, timeout
         self.connect_timeout = connect_timeout
         self.keys = CurveKeys.from_secret(secret) if secret else None
@@ -59,7 +60,9 @@ class ZmqPullTransport(KVTransport):
         self._threads: list[threading.Thread] = []
         self._own_threads: list[threading.Thread] = []   # serving, sums, ZAP: joined on close
         # CTX: the offered blocks' checksums, summed as each lease starts.
-        self.lease_sums = LeaseSums(lambda b: memoryview(self.block_bytes(b).numpy()), self.name)
+        # The block's bytes on the host: the cache's own on a CPU, a copy from a GPU.
+        self.lease_sums = LeaseSums(
+            lambda b: self.platform.blocks_to_host([self.block_bytes(b)])[0], self.name)
 
     @abc.abstractmethod
     def _offer(self, ctx_request_id: str, blocks: np.ndarray) -> tuple[msgspec.Struct, list]:

@@ -7,6 +7,12 @@ KV transfer moves a block with one memcpy-sized read.
 The runner orders a step's tokens as [decode tokens | prefill chunk 1 | prefill chunk 2 ...].
 Decodes (one query each) share one batched SDPA call over their gathered blocks; each prefill
 chunk gets its own call, causal within the chunk and over all earlier context.
+
+Two backends, chosen per engine by its platform (platforms/): `native` runs the C kernels
+(model/native_attention.py) where they take the shape, these torch ops otherwise; `torch`
+runs only the torch ops (gather whole blocks with index_select + SDPA), which work on any
+device: a GPU's, or a CPU's under SPLITSERVE_ATTENTION=torch. Every tensor of the metadata
+lives on the KV cache's device.
 """
 
 from __future__ import annotations
@@ -38,7 +44,8 @@ class PrefillChunk:
         length, end, window = self.length, self.start + self.length, self.sliding_window
         if self.start == 0 and (window is None or length <= window):
             return None
-        allowed = _visible(torch.arange(self.start, end), end, window)
+        allowed = _visible(torch.arange(self.start, end, device=self.block_table.device), end,
+                           window)
         return _additive(allowed.view(1, 1, length, -1), self.dtype)
 
 
@@ -47,13 +54,13 @@ class GatherBuffer:
     steps: a fresh multi-megabyte tensor per gather is memory the allocator hands back to
     the kernel on free and page-faults in again on the next layer."""
 
-    def __init__(self, dtype: torch.dtype):
-        self._buf = torch.empty(0, dtype=dtype)
+    def __init__(self, dtype: torch.dtype, device: torch.device | str = "cpu"):
+        self._buf = torch.empty(0, dtype=dtype, device=device)
 
     def take(self, *shape: int) -> torch.Tensor:
         n = math.prod(shape)
         if self._buf.numel() < n:
-            self._buf = torch.empty(n, dtype=self._buf.dtype)
+            self._buf = self._buf.new_empty(n)
         return self._buf[:n].view(shape)
 
 
@@ -69,6 +76,7 @@ class AttentionMetadata:
     sliding_window: int | None = None
     block_size: int = 16
     dtype: torch.dtype = torch.float32        # the queries'
+    native: bool = True                       # the C kernels where they take the shape
 
     @functools.cached_property
     def decode_mask(self) -> torch.Tensor | None:
@@ -84,41 +92,42 @@ class AttentionMetadata:
 
 def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     # SDPA turns a bool mask into an additive one on every call; do it once per step instead.
-    return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
+        ~allowed, float("-inf"))
 
 
 def build_metadata(block_size: int, decode_seqs, prefill_seqs, sliding_window: int | None,
-                   dtype: torch.dtype = torch.float32,
-                   scratch: GatherBuffer | None = None) -> AttentionMetadata:
+                   dtype: torch.dtype = torch.float32, scratch: GatherBuffer | None = None,
+                   to_device=torch.from_numpy, native: bool = True) -> AttentionMetadata:
     """decode_seqs: [(block_ids, position)], prefill_seqs: [(block_ids, start, length)], where
     block_ids is the sequence's int64 array of blocks. Positions are 0-based; a decode's query
     sits at `position`, its context is 0..position. Masks are additive (0 / -inf) in `dtype`,
-    the dtype of the queries."""
+    the dtype of the queries. to_device: host array -> tensor on the KV cache's device (the
+    platform's); native: the C kernels may run (the platform's attention backend)."""
     blocks, offsets = [], []            # (T_i,) int64 per group of new tokens, in step order
     decode_table = None
     if decode_seqs:
         pos = np.array([p for _, p in decode_seqs], dtype=np.int64)
         blocks.append(np.array([b[p // block_size] for b, p in decode_seqs], dtype=np.int64))
         offsets.append(pos % block_size)
-        decode_table = _decode_table(decode_seqs)
-    decode_pos = torch.from_numpy(pos) if decode_seqs else None
+        decode_table = to_device(_decode_table(decode_seqs))
+    decode_pos = to_device(pos) if decode_seqs else None
     chunks, offset = [], len(decode_seqs)
     for block_ids, start, length in prefill_seqs:
         pos = np.arange(start, start + length)
         blocks.append(block_ids[pos // block_size])
         offsets.append(pos % block_size)
-        chunks.append(_prefill_chunk(block_size, block_ids, start, length, offset,
-                                     sliding_window, dtype))
+        table = to_device(block_ids[:(start + length + block_size - 1) // block_size])
+        chunks.append(PrefillChunk(start, length, offset, table.view(1, -1), sliding_window, dtype))
         offset += length
-    return AttentionMetadata(torch.from_numpy(np.concatenate(blocks)),
-                             torch.from_numpy(np.concatenate(offsets)), len(decode_seqs),
-                             decode_table, decode_pos, chunks, scratch, sliding_window,
-                             block_size, dtype)
+    return AttentionMetadata(to_device(np.concatenate(blocks)), to_device(np.concatenate(offsets)),
+                             len(decode_seqs), decode_table, decode_pos, chunks, scratch,
+                             sliding_window, block_size, dtype, native)
 
 
 def _visible(query_pos: torch.Tensor, num_keys: int, sliding_window: int | None) -> torch.Tensor:
     """(Q, num_keys) bool: which key positions each query position attends to."""
-    keys = torch.arange(num_keys).view(1, -1)
+    keys = torch.arange(num_keys, device=query_pos.device).view(1, -1)
     query = query_pos.view(-1, 1)
     allowed = keys <= query
     if sliding_window is not None:
@@ -126,22 +135,14 @@ def _visible(query_pos: torch.Tensor, num_keys: int, sliding_window: int | None)
     return allowed
 
 
-def _decode_table(decode_seqs) -> torch.Tensor:
+def _decode_table(decode_seqs) -> np.ndarray:
     """Block table (B_d, n_blocks), padded with block 0 past each sequence's blocks (the
     decode mask hides the padding)."""
     width = max(len(b) for b, _ in decode_seqs)
     table = np.zeros((len(decode_seqs), width), dtype=np.int64)
     for row, (block_ids, _) in zip(table, decode_seqs):
         row[:len(block_ids)] = block_ids
-    return torch.from_numpy(table)
-
-
-def _prefill_chunk(block_size: int, block_ids: np.ndarray, start: int, length: int,
-                   token_offset: int, sliding_window: int | None,
-                   dtype: torch.dtype) -> PrefillChunk:
-    n_blocks = (start + length + block_size - 1) // block_size
-    table = torch.from_numpy(block_ids[:n_blocks]).view(1, -1)   # shares the request's array
-    return PrefillChunk(start, length, token_offset, table, sliding_window, dtype)
+    return table
 
 
 def _gather(kv_cache: torch.Tensor, layer: int, table: torch.Tensor, length: int,
@@ -166,7 +167,7 @@ def paged_attention(q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor,
     nd = meta.num_decodes
     outs = []
     o = None
-    if nd and native_attention.decode_usable(q):
+    if nd and meta.native and native_attention.decode_usable(q):
         o = native_attention.decode(q[:nd], kv_cache, layer, meta.decode_block_table,
                                     meta.decode_positions, meta.sliding_window, scale)
         if o is not None:
@@ -180,7 +181,7 @@ def paged_attention(q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor,
         o = F.scaled_dot_product_attention(q[:nd].view(b, kvh, -1, d), keys, vals,  # (B, KVH, G, D)
                                            attn_mask=meta.decode_mask, scale=scale)
         outs.append(o.reshape(nd, -1, d))
-    native = bool(meta.prefills) and native_attention.usable(q)
+    native = bool(meta.prefills) and meta.native and native_attention.usable(q)
     for c in meta.prefills:
         s = slice(c.token_offset, c.token_offset + c.length)
         o = native_attention.prefill(q[s], kv_cache, layer, c.block_table, c.start,

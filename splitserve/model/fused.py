@@ -1,5 +1,6 @@
 """The decoder layer's elementwise steps: one C call each in float32
-(splitserve/kernels/elementwise.c), PyTorch otherwise (bfloat16, or no C compiler).
+(splitserve/kernels/elementwise.c) on the CPU, PyTorch otherwise (bfloat16, a GPU, or no C
+compiler).
 
 At decode sizes each PyTorch kernel costs several microseconds of dispatch for a few
 hundred floats of work; the residual add + RMSNorm, the three-kernel RoPE and SiLU-mul are
@@ -32,7 +33,8 @@ def _lib():
 
 
 def _native(x: torch.Tensor) -> bool:
-    return x.dtype == torch.float32 and _lib() is not None
+    # The kernels take host pointers: a GPU's tensors always take the PyTorch path.
+    return x.dtype == torch.float32 and x.device.type == "cpu" and _lib() is not None
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, norm) -> torch.Tensor:

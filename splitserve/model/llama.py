@@ -18,8 +18,10 @@ from splitserve.errors import ModelLoadError
 from splitserve.model import fused
 from splitserve.model.attention import AttentionMetadata, paged_attention
 from splitserve.model.config import ModelConfig
-from splitserve.model.packed import pack_linears, packed_linear, packing_supported
+from splitserve.model.packed import pack_linears, packed_linear
 from splitserve.model.quant import quantize_linears, quantized_linear
+from splitserve.platforms import platform_for
+from splitserve.platforms.base import Platform
 
 
 class RMSNorm(nn.Module):
@@ -218,9 +220,10 @@ def _expected_names(cfg: ModelConfig) -> list[str]:
 
 def build_model(cfg: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]],
                 dtype: torch.dtype, quantization: str | None = None,
-                pack: bool = True) -> LlamaModel:
-    """Quantized weights if `quantization`, else packed ones where oneDNN supports `dtype`
-    and `pack` is set, else plain nn.Linear."""
+                pack: bool = True, platform: Platform | None = None) -> LlamaModel:
+    """The model on the platform's device (default: the CPU's) with its linear kernels: on
+    the CPU quantized weights if `quantization`, else packed ones where oneDNN supports
+    `dtype` and `pack` is set, else plain nn.Linear (platforms/)."""
     # On the meta device, modules are built without memory; nothing that computes runs there
     # (torch computes on meta with Python decompositions, whose imports of torch._dynamo and
     # sympy cost ~2.6 s a process): embeddings are not initialized, RoPE is computed on the
@@ -234,9 +237,6 @@ def build_model(cfg: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]],
             module.register_parameter(name, nn.Parameter(torch.empty(p.shape, dtype=p.dtype),
                                                          p.requires_grad))
     model.load_weights(weights)
-    model = model.to(dtype).eval()
-    if quantization is not None:
-        model.quantize(quantization)
-    elif pack and packing_supported(dtype):
-        model.pack()
+    model = (platform or platform_for("cpu")).prepare_model(model, dtype, quantization, pack)
+    model.rotary.inv_freq = model.rotary.inv_freq.to(model.embed_tokens.weight.device)
     return model

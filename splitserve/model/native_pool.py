@@ -65,10 +65,9 @@ def quiesce(timeout: float = 5.0) -> bool:
     in may still be running after the kernel returned, reading the weights and the KV cache.
     The owner of that memory calls this before freeing it (ModelRunner, at exit). Whether
     the helper is clear of it (True when none runs)."""
-    lib = _library()
-    if lib is None or _started is None:
+    if _started is None:      # never started: nothing to wait for, nothing to load
         return True
-    err = lib.pool_quiesce(int(timeout * 1e9))
+    err = _library().pool_quiesce(int(timeout * 1e9))
     if err:
         logger.warning("the kernels' helper thread still ran a range after %.1f s (%s)",
                        timeout, errno.errorcode.get(err, err))

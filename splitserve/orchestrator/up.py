@@ -29,6 +29,7 @@ from splitserve.orchestrator.app import run_orchestrator
 from splitserve.orchestrator.cluster import ClusterConfig, PoolConfig
 from splitserve.orchestrator.fleet import run_fleet
 from splitserve.orchestrator.supervisor import Supervisor, WorkerChild, stop_processes
+from splitserve.platforms import check_device
 from splitserve.placement import (ClusterPlan, WorkerPlan, format_cpus, pin_process,
                                   plan_cluster, usable_cpus)
 
@@ -45,7 +46,9 @@ def worker_command(args, role: str, port: int, cpus: WorkerPlan) -> list[str]:
            "--kv-backend", args.kv_backend, "--kv-cache-gib", str(args.kv_cache_gib),
            "--threads", str(cpus.engine_threads), "--cpus", format_cpus(cpus.engine_cpus),
            "--frontend-cpus", format_cpus(cpus.frontend_cpus),
-           "--register", local_url(args.host, args.port)]
+           "--device", args.device, "--register", local_url(args.host, args.port)]
+    if args.gpu_memory_utilization is not None:   # each worker's own fraction of the GPU
+        cmd += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
     if args.model:
         cmd += ["--model", args.model]
     if args.cache_isolation != "none":   # a client going around the orchestrator is isolated too
@@ -159,6 +162,7 @@ def up(args) -> int:
     logger.info("up: orchestrator on CPUs %s", format_cpus(plan.orchestrator_cpus))
     # Built before any worker starts: a value it refuses is a usage error, with nothing to stop.
     try:
+        check_device(args.device)
         secret_env = cluster_secrets(args)
         config = cluster_config(args, secret_env)
     except ValueError as exc:

@@ -122,7 +122,8 @@ def test_choice_lists_are_the_configs(path, flag, expected):
 
 # LLM's keyword -> the EngineConfig field it sets.
 LLM_FIELDS = {
-    "model": "model", "dtype": "dtype", "quantization": "quantization",
+    "model": "model", "device": "device", "dtype": "dtype", "quantization": "quantization",
+    "gpu_memory_utilization": "gpu_memory_utilization",
     "max_model_len": "max_model_len", "seed": "seed", "num_threads": "num_threads",
     "block_size": "cache.block_size", "num_blocks": "cache.num_blocks",
     "kv_cache_memory_bytes": "cache.memory_bytes",

@@ -83,7 +83,7 @@ def _check_placed(server: _Serve, plan: WorkerPlan, dtype: str) -> None:
     engine = engine_pid(server)
     assert _affinity(engine) == {plan.engine_cpus}
     assert _affinity(server.proc.pid) == {plan.frontend_cpus}
-    threads = re.search(r"engine: (\w+), (\d+) torch thread\(s\) on CPUs ([\d,-]+), "
+    threads = re.search(r"engine: (\w+) on cpu, (\d+) torch thread\(s\) on CPUs ([\d,-]+), "
                         r"(C kernels for -march=\w+|PyTorch kernels)", log)
     assert threads, log
     assert threads.groups()[:3] == (dtype, str(plan.engine_threads),

@@ -44,7 +44,7 @@ def test_auto_dtype_resolves_to_a_concrete_dtype():
 def test_auto_dtype_is_float32_where_torch_runs_avx2():
     """An AVX512-BF16 CPU whose PyTorch and oneDNN are held to AVX2 (what an AVX2-only
     machine runs) computes bfloat16 in software: auto must not pick it."""
-    code = ("import torch; from splitserve.config import auto_dtype; "
+    code = ("import torch; from splitserve.platforms.cpu import auto_dtype; "
             "print(torch.backends.cpu.get_cpu_capability(), auto_dtype())")
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,

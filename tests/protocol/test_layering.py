@@ -17,7 +17,7 @@ import pathlib
 import splitserve   # (its __init__ imports nothing)
 
 PACKAGE = pathlib.Path(splitserve.__file__).parent
-ROOMS = {"orchestrator", "server", "engine", "kv", "model", "kernels"}
+ROOMS = {"orchestrator", "server", "engine", "kv", "model", "kernels", "platforms"}
 ENTRY_POINTS = {"cli", "llm", "bench", ""}    # "": the package itself (LLM, SamplingParams)
 
 # (importer, imported): why. Module names below splitserve., each covering the modules
@@ -40,6 +40,16 @@ ALLOWED = {
     ("config", "kv"): "a KV transport's name is checked against kv/__init__.py's registry",
     ("config", "model.quant"): "whether this torch can run a quantization, asked only when "
         "one is",
+    ("config", "platforms"): "a device name is checked against platforms/__init__.py's list "
+        "(torch loads only to check that cuda is there)",
+    ("orchestrator.up", "platforms"): "`splitserve up --device cuda` is refused before any "
+        "worker starts where PyTorch sees no GPU",
+    ("engine", "platforms"): "the engine asks its device's platform what differs per device",
+    ("model", "platforms"): "the model's linear kernels and device are the platform's choice",
+    ("kv", "platforms"): "a KV block's bytes reach a socket through the cache's platform",
+    ("platforms", "model"): "the CPU platform picks the model's CPU linears (packed, "
+        "quantized) and waits for the kernels' helper thread",
+    ("platforms", "kernels"): "the CPU platform's start line names the C kernels' build",
 }
 
 

@@ -22,7 +22,7 @@ import numpy as np
 
 from splitserve import placement
 from splitserve.kernels import build
-from splitserve.config import CacheConfig, EngineConfig, SchedulerConfig, auto_dtype
+from splitserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from splitserve.flags import add_flags, from_flags
 from splitserve.protocol.engine import EngineRequest
 from splitserve.sampling_params import SamplingParams
@@ -174,6 +174,7 @@ def _sampler(engine: EngineCore, args) -> dict:
 def _describe(engine: EngineCore, config: EngineConfig, args) -> dict:
     return {"model": engine.model_config.name, "dtype_requested": args.dtype,
             "dtype": str(config.torch_dtype).removeprefix("torch."),
+            "device": engine.runner.platform.describe(),
             "quantization": args.quantization, "packed_weights": engine.runner.model.packed,
             "kernels": build.status() + _helper_note(),
             "threads": args.threads, "cpus": placement.format_cpus(tuple(os.sched_getaffinity(0))),
@@ -185,10 +186,11 @@ def _describe(engine: EngineCore, config: EngineConfig, args) -> dict:
 def _headline(r: dict) -> str:
     # The flags alone mislead where ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA hold torch lower.
     import torch
+    from splitserve.platforms.cpu import auto_dtype
     native = "native" if auto_dtype() == torch.bfloat16 else "no native"
     layout = ", packed" if r["packed_weights"] else ""
     return (f"{r['model']}: {r['quantization'] or r['dtype']}{layout} weights, dtype {r['dtype_requested']}"
-            f" -> {r['dtype']}, {r['torch_threads']} threads on CPUs {r['cpus']}, "
+            f" -> {r['dtype']} on {r['device']}, {r['torch_threads']} threads on CPUs {r['cpus']}, "
             f"CPU {r['cpu_capability']} "
             f"({native} bfloat16), {r['kernels']}")
 
@@ -198,7 +200,8 @@ def _load_note(other: float | None) -> str:
 
 
 def add_arguments(p) -> None:
-    add_flags(p, EngineConfig, "--model", "--dtype", "--quantization", "--no-pack-weights",
+    add_flags(p, EngineConfig, "--model", "--device", "--dtype", "--gpu-memory-utilization",
+              "--quantization", "--no-pack-weights",
               "--threads", help={"--threads": "torch threads (default: torch's, all cores)"})
     p.add_argument("--cpus", type=placement.cpu_list_argument, default=None,
                    help="pin to these CPUs, e.g. those `serve` logs for its engine")

@@ -8,7 +8,6 @@ from splitserve.bench.report.config import ReportConfig
 from splitserve.bench.report.machine import BACKGROUND, LoadProbe, machine_line, torch_isa
 from splitserve.bench.report.markdown import Section, commands, failed_cell, num, table
 from splitserve.bench.report.steps import STEP_ERRORS, load_json, run_inprocess, run_step, tool
-from splitserve.config import auto_dtype
 
 TARGET_PREFILL, TARGET_DECODE8 = 1500.0, 260.0
 ENGINE = "Engine: prefill and decode throughput"
@@ -94,6 +93,7 @@ def _native_bf16() -> bool:
     """What PyTorch computes bfloat16 with here, not only what the CPU flags say: an AVX512-BF16
     CPU held to AVX2 (ATEN_CPU_CAPABILITY=avx2) converts in software like an AVX2 one."""
     import torch
+    from splitserve.platforms.cpu import auto_dtype
     return auto_dtype() == torch.bfloat16
 
 
