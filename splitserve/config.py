@@ -19,6 +19,7 @@ logger = logging.getLogger(__name__)
 # process that only reads configuration (the orchestrator, `splitserve up`'s parent).
 DTYPES = ("auto", "float32", "bfloat16", "float16")    # auto: see auto_dtype()
 QUANTIZATIONS = ("int8", "fp16")   # model/quant.py: the weight paths behind each
+LOAD_FORMATS = ("auto", "dummy")   # dummy: config.json only, random weights (model/dummy.py)
 
 
 def _require(ok: bool, message: str) -> None:
@@ -105,6 +106,11 @@ class EngineConfig:
     model: str | None = field(default=None, metadata=flag(
         "--model", "a Hugging Face folder, a .gguf file or tiny-random (default: the bundled "
                    "SmolLM2-135M-Instruct)"))
+    load_format: str = field(default="auto", metadata=flag(
+        "--load-format", "auto: read --model's weights; dummy: read only its config.json (or "
+                         "a shipped config: llama-3-8b, tiny-llama) and make seeded random "
+                         "weights, to measure real shapes without a checkpoint",
+        choices=LOAD_FORMATS))
     dtype: str = field(default="auto", metadata=flag(
         "--dtype", "auto: bfloat16 where the CPU computes it natively, else float32",
         choices=DTYPES))
@@ -128,6 +134,8 @@ class EngineConfig:
     kv: KVTransferConfig = field(default_factory=KVTransferConfig, metadata=flags_within())
 
     def __post_init__(self):
+        _require(self.load_format in LOAD_FORMATS, f"load_format must be one of "
+                 f"{', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
         _require(self.dtype in DTYPES,
                  f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         _require(self.quantization is None or self.quantization in QUANTIZATIONS,

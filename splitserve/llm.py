@@ -60,6 +60,7 @@ class LLM:
     """The defaults are the config dataclasses' (those of `splitserve serve`)."""
 
     def __init__(self, model: str | None = EngineConfig.model, *,
+                 load_format: str = EngineConfig.load_format,
                  dtype: str = EngineConfig.dtype,
                  quantization: str | None = EngineConfig.quantization,
                  max_model_len: int | None = EngineConfig.max_model_len,
@@ -72,7 +73,7 @@ class LLM:
                  seed: int | None = EngineConfig.seed,
                  num_threads: int | None = EngineConfig.num_threads):
         config = EngineConfig(
-            model=model, dtype=dtype, quantization=quantization, max_model_len=max_model_len,
+            model=model, load_format=load_format, dtype=dtype, quantization=quantization, max_model_len=max_model_len,
             num_threads=num_threads, seed=seed,
             cache=CacheConfig(block_size=block_size, num_blocks=num_blocks,
                               memory_bytes=kv_cache_memory_bytes,

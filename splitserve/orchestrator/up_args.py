@@ -15,7 +15,7 @@ KV_BACKENDS = tuple(b for b in config_flags(EngineConfig)["--kv-backend"][2].cho
 
 
 def add_arguments(p) -> None:
-    add_flags(p, EngineConfig, "--model", "--dtype")
+    add_flags(p, EngineConfig, "--model", "--load-format", "--dtype")
     p.add_argument("--host", default=ClusterConfig.host,
                    help="address the orchestrator listens on (0.0.0.0: every interface); "
                         "the workers stay on --worker-host (default: %(default)s)")

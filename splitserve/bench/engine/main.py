@@ -183,7 +183,7 @@ def _load_note(other: float | None) -> str:
 
 
 def add_arguments(p) -> None:
-    add_flags(p, EngineConfig, "--model", "--dtype", "--quantization", "--no-pack-weights",
+    add_flags(p, EngineConfig, "--model", "--load-format", "--dtype", "--quantization", "--no-pack-weights",
               "--threads", help={"--threads": "torch threads (default: torch's, all cores)"})
     p.add_argument("--cpus", type=placement.cpu_list_argument, default=None,
                    help="pin to these CPUs, e.g. those `serve` logs for its engine")
