@@ -84,4 +84,4 @@ def check(model: str, load_format: str = "auto", device: str = "cpu", n: int = 4
     theirs = [hf_greedy(hf, p, max_tokens, device) for p in batch]
     bad = [i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b]
     first = f"prompt {bad[0]}: ours {ours[bad[0]]} vs {theirs[bad[0]]}" if bad else ""
-    return Equality(model, n, max_tokens, n - len(bad), first)
+    return Equality(source.config.name, n, max_tokens, n - len(bad), first)
