@@ -71,6 +71,7 @@ def step_floors(plan: Plan) -> tuple[float, float]:
 
 def step_equality(plan: Plan, folders: dict[str, str]) -> bool:
     from splitserve.bench.hf_equality import check
+    engine_flags(plan)    # refuses a device this checkout's engine cannot run on
     results = [check(folders[name], "dummy", plan.device) for name in ("tiny-random", "tiny-llama")]
     for r in results:
         print("equality: " + r.line())
