@@ -32,7 +32,7 @@ def _bench(args) -> int:
 
 def _chat(args) -> int:
     from splitserve import LLM, SamplingParams
-    llm = LLM(args.model, dtype=args.dtype)
+    llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
     out = llm.chat([{"role": "user", "content": args.message}], params)[0]
     print(out.outputs[0].text)
@@ -219,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     chat = sub.add_parser("chat", help="answer one chat message offline")
     chat.add_argument("message")
-    add_flags(chat, EngineConfig, "--model", "--dtype")
+    add_flags(chat, EngineConfig, "--model", "--load-format", "--dtype")
     chat.add_argument("--temperature", type=float, default=0.0)
     chat.add_argument("--max-tokens", type=int, default=128)
     chat.set_defaults(func=_chat)

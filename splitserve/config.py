@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 # process that only reads configuration (the orchestrator, `splitserve up`'s parent).
 DTYPES = ("auto", "float32", "bfloat16", "float16")    # auto: the platform's default_dtype()
 QUANTIZATIONS = ("int8", "fp16")   # model/quant.py: the weight paths behind each
+LOAD_FORMATS = ("auto", "dummy")   # dummy: config.json only, random weights (model/dummy.py)
 
 
 def _require(ok: bool, message: str) -> None:
@@ -105,6 +106,11 @@ class EngineConfig:
     device: str = field(default="auto", metadata=flag(
         "--device", "where the model runs; auto: cuda when PyTorch sees a GPU, else cpu",
         choices=DEVICES))
+    load_format: str = field(default="auto", metadata=flag(
+        "--load-format", "auto: read --model's weights; dummy: read only its config.json (or "
+                         "a shipped config: llama-3-8b, tiny-llama) and make seeded random "
+                         "weights, to measure real shapes without a checkpoint",
+        choices=LOAD_FORMATS))
     dtype: str = field(default="auto", metadata=flag(
         "--dtype", "auto: bfloat16 on a GPU or where the CPU computes it natively, else float32",
         choices=DTYPES))
@@ -140,6 +146,8 @@ class EngineConfig:
         _require(self.gpu_memory_utilization is None or self.device != "cpu",
                  "gpu_memory_utilization applies to device cuda only; on the CPU the KV cache "
                  "is --kv-cache-gib or --num-blocks")
+        _require(self.load_format in LOAD_FORMATS, f"load_format must be one of "
+                 f"{', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
         _require(self.dtype in DTYPES,
                  f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         _require(self.quantization is None or self.quantization in QUANTIZATIONS,

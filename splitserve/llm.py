@@ -61,6 +61,7 @@ class LLM:
 
     def __init__(self, model: str | None = EngineConfig.model, *,
                  device: str = EngineConfig.device,
+                 load_format: str = EngineConfig.load_format,
                  dtype: str = EngineConfig.dtype,
                  quantization: str | None = EngineConfig.quantization,
                  max_model_len: int | None = EngineConfig.max_model_len,
@@ -74,9 +75,9 @@ class LLM:
                  num_threads: int | None = EngineConfig.num_threads,
                  gpu_memory_utilization: float | None = EngineConfig.gpu_memory_utilization):
         config = EngineConfig(
-            model=model, device=device, dtype=dtype, quantization=quantization,
-            max_model_len=max_model_len, num_threads=num_threads, seed=seed,
-            gpu_memory_utilization=gpu_memory_utilization,
+            model=model, device=device, load_format=load_format, dtype=dtype,
+            quantization=quantization, max_model_len=max_model_len, num_threads=num_threads,
+            seed=seed, gpu_memory_utilization=gpu_memory_utilization,
             cache=CacheConfig(block_size=block_size, num_blocks=num_blocks,
                               memory_bytes=kv_cache_memory_bytes,
                               enable_prefix_caching=enable_prefix_caching),

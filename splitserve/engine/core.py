@@ -37,7 +37,7 @@ class EngineCore(FailureHandling):
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        self.source = source or load_model_source(config.model)
+        self.source = source or load_model_source(config.model, config.load_format)
         cfg = self.model_config = self.source.config
         self.tokenizer = self.source.tokenizer
         platform = config.platform

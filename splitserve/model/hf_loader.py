@@ -32,7 +32,7 @@ _INDEX = "model.safetensors.index.json"
 WeightsFn = Callable[[], Iterator[tuple[str, "torch.Tensor"]]]
 
 
-def _read_json(path: str, required: bool = True) -> dict:
+def read_json(path: str, required: bool = True) -> dict:
     if not os.path.isfile(path):
         if required:
             raise ModelLoadError(f"{path} not found; a Hugging Face model folder needs it")
@@ -124,7 +124,7 @@ def config_to_hf(cfg: ModelConfig, torch_dtype: str = "float32") -> dict:
 def _safetensors_files(folder: str) -> list[str]:
     index = os.path.join(folder, _INDEX)
     if os.path.isfile(index):
-        names = dict.fromkeys(_read_json(index).get("weight_map", {}).values())
+        names = dict.fromkeys(read_json(index).get("weight_map", {}).values())
     else:
         names = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))
     files = [os.path.join(folder, n) for n in names]
@@ -169,7 +169,7 @@ def tokenizer_from_hf(folder: str, config: ModelConfig) -> Tokenizer:
         tk = tokenizers.Tokenizer.from_file(path)
     except Exception as exc:  # the Rust side raises a bare Exception on bad JSON
         raise ModelLoadError(f"cannot read {path}: {exc}") from None
-    tk_config = _read_json(os.path.join(folder, "tokenizer_config.json"), required=False)
+    tk_config = read_json(os.path.join(folder, "tokenizer_config.json"), required=False)
     bos = config.bos_token_id
     if bos is None and isinstance(tk_config.get("bos_token"), str):
         bos = tk.token_to_id(tk_config["bos_token"])
@@ -182,8 +182,8 @@ def tokenizer_from_hf(folder: str, config: ModelConfig) -> Tokenizer:
 def load_hf_folder(folder: str) -> tuple[ModelConfig, Tokenizer, WeightsFn]:
     folder = os.path.abspath(folder)
     where = os.path.join(folder, "config.json")
-    generation = _read_json(os.path.join(folder, "generation_config.json"), required=False)
-    config = config_from_hf(_read_json(where), os.path.basename(folder), generation, where)
+    generation = read_json(os.path.join(folder, "generation_config.json"), required=False)
+    config = config_from_hf(read_json(where), os.path.basename(folder), generation, where)
     tokenizer = tokenizer_from_hf(folder, config)
     files = _safetensors_files(folder)
     logger.info("HF folder %s: %s, %d layers, %d weight files", folder, config.architecture,

@@ -228,13 +228,14 @@ def build_model(cfg: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]],
     # (torch computes on meta with Python decompositions, whose imports of torch._dynamo and
     # sympy cost ~2.6 s a process): embeddings are not initialized, RoPE is computed on the
     # CPU, and each parameter is replaced by a CPU tensor of its shape (not to_empty's
-    # empty_like of a meta tensor).
+    # empty_like of a meta tensor) in `dtype`: each streamed tensor is rounded as it is
+    # copied in, so the model is held once, never also in float32.
     rotary = Rotary(cfg)
     with torch.device("meta"):
         model = LlamaModel(cfg, rotary)
     for module in model.modules():
         for name, p in list(module.named_parameters(recurse=False)):
-            module.register_parameter(name, nn.Parameter(torch.empty(p.shape, dtype=p.dtype),
+            module.register_parameter(name, nn.Parameter(torch.empty(p.shape, dtype=dtype),
                                                          p.requires_grad))
     model.load_weights(weights)
     model = (platform or platform_for("cpu")).prepare_model(model, dtype, quantization, pack)

@@ -2,7 +2,8 @@
 
 `load_model_source(spec)` picks a loader from a small registry: named built-in models first
 ("smollm2-135m-instruct", "tiny-random"), then by path (a Hugging Face folder or a `.gguf`
-file). Loading reads config and tokenizer eagerly and weights lazily: `weights()` streams
+file). `load_format="dummy"` reads a config.json alone and makes random weights
+(model/dummy.py). Loading reads config and tokenizer eagerly and weights lazily: `weights()` streams
 tensors so a worker never holds two copies of the model.
 """
 
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 
 from splitserve.errors import ModelLoadError
 from splitserve.model.config import ModelConfig
+from splitserve.model.dummy import load_dummy, shipped_configs
 from splitserve.model.gguf_loader import load_gguf
 from splitserve.model.hf_loader import WeightsFn, load_hf_folder
 from splitserve.model.tiny import TINY_NAME, build_tiny
@@ -73,7 +75,20 @@ PATH_LOADERS: dict[str, Callable[[str], ModelSource]] = {
 DEFAULT_MODEL = BUNDLED_NAME.lower()
 
 
-def load_model_source(model: str | None) -> ModelSource:
+def _load_dummy(model: str | None) -> ModelSource:
+    # tiny-random's weights are random already: the same model whatever the format.
+    if model is not None and str(model).lower() == TINY_NAME:
+        return _load_tiny()
+    if model is None:
+        raise ModelLoadError("--load-format dummy needs --model: a folder holding config.json, "
+                             f"a config .json file, or one of {', '.join(shipped_configs())}")
+    return ModelSource(*load_dummy(str(model)))
+
+
+def load_model_source(model: str | None, load_format: str = "auto") -> ModelSource:
+    """load_format: "auto" reads the weights `model` names; "dummy" only its config."""
+    if load_format == "dummy":
+        return _load_dummy(model)
     spec = DEFAULT_MODEL if model is None else str(model)
     if spec.lower() in NAMED_MODELS:
         return NAMED_MODELS[spec.lower()]()

@@ -61,6 +61,7 @@ class ClusterConfig:
     # for the decision above and KV-aware routing. None: prompts are counted from their
     # bytes only, chat prompts not at all.
     model: str | None = None
+    load_format: str = "auto"     # the workers' --load-format: dummy reads only model's config
     # Clients send `Authorization: Bearer <key>` with one of these keys when any is set (in
     # the YAML: one key or a list). Workers prove their identity with internal_secret, and
     # every request to one carries a token derived from it (splitserve/trust.py); the

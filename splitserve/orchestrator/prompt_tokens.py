@@ -41,8 +41,8 @@ def single_prompt(body: dict):
 class PromptTokenizer:
     """The workers' tokenizer (model: a name or path load_model_source takes; None: none)."""
 
-    def __init__(self, model: str | None):
-        source = load_model_source(model) if model else None
+    def __init__(self, model: str | None, load_format: str = "auto"):
+        source = load_model_source(model, load_format) if model else None
         self.tokenizer = source.tokenizer if source else None
         # No worker's context is longer: a text surely past it is not encoded here (the
         # worker refuses it before encoding too).

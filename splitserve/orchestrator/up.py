@@ -51,6 +51,8 @@ def worker_command(args, role: str, port: int, cpus: WorkerPlan) -> list[str]:
         cmd += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
     if args.model:
         cmd += ["--model", args.model]
+    if args.load_format != "auto":
+        cmd += ["--load-format", args.load_format]
     if args.cache_isolation != "none":   # a client going around the orchestrator is isolated too
         cmd += ["--cache-isolation", args.cache_isolation]
     if role == "gen" and args.gen_api_servers > 1:
@@ -148,7 +150,8 @@ def cluster_config(args, secret_env: dict[str, str]) -> ClusterConfig:
                            local_prefill_max_tokens=args.local_prefill_max_tokens,
                            max_in_flight=args.max_in_flight,
                            first_byte_timeout=args.first_byte_timeout,
-                           idle_timeout=args.idle_timeout, model=args.model or DEFAULT_MODEL)
+                           idle_timeout=args.idle_timeout, model=args.model or DEFAULT_MODEL,
+                           load_format=args.load_format)
     warn_if_open("up", config.host, config.api_key)
     return config
 

@@ -63,7 +63,7 @@ class WorkerServer:
         self.log_prefix = self.engine.log_prefix
         self._reporter: asyncio.Task | None = None
         # The front-end needs only the tokenizer; weights are read by the engine process.
-        self.tokenizer = load_model_source(config.engine.model).tokenizer
+        self.tokenizer = load_model_source(config.engine.model, config.engine.load_format).tokenizer
         self.pool = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tokenize")
         self.gc = ServingGC()
         self.metrics = ServerMetrics()

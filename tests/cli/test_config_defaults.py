@@ -14,7 +14,8 @@ import pytest
 
 from splitserve import LLM
 from splitserve.cli import build_parser, server_config
-from splitserve.config import QUANTIZATIONS, CacheConfig, EngineConfig, SchedulerConfig
+from splitserve.config import (LOAD_FORMATS, QUANTIZATIONS, CacheConfig, EngineConfig,
+                               SchedulerConfig)
 from splitserve.kv import TRANSPORT_MODULES
 from splitserve.listen import local_url
 from splitserve.orchestrator.cluster import ClusterConfig, PoolConfig
@@ -115,6 +116,8 @@ def test_dtype_offers_what_the_config_accepts(path):
     pytest.param(("up",), "--kv-backend", tuple(b for b in TRANSPORT_MODULES if b != "none"),
                  id="up --kv-backend"),
     pytest.param(("serve",), "--role", ROLES, id="serve --role"),
+    *(pytest.param(path, "--load-format", LOAD_FORMATS, id=" ".join(path) + " --load-format")
+      for path in (("serve",), ("up",), ("bench", "engine"), ("chat",))),
 ])
 def test_choice_lists_are_the_configs(path, flag, expected):
     assert set(choices(path, flag)) == set(expected)
@@ -122,8 +125,8 @@ def test_choice_lists_are_the_configs(path, flag, expected):
 
 # LLM's keyword -> the EngineConfig field it sets.
 LLM_FIELDS = {
-    "model": "model", "device": "device", "dtype": "dtype", "quantization": "quantization",
-    "gpu_memory_utilization": "gpu_memory_utilization",
+    "model": "model", "device": "device", "load_format": "load_format", "dtype": "dtype",
+    "quantization": "quantization", "gpu_memory_utilization": "gpu_memory_utilization",
     "max_model_len": "max_model_len", "seed": "seed", "num_threads": "num_threads",
     "block_size": "cache.block_size", "num_blocks": "cache.num_blocks",
     "kv_cache_memory_bytes": "cache.memory_bytes",

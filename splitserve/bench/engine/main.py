@@ -11,6 +11,7 @@ neighbours than about the engine.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -115,7 +116,8 @@ def place(args) -> None:
 def engine_config(args) -> EngineConfig:
     """The flags' engine, seeded, with no prefix caching (every prefill computes), one whole
     prefill per step and room for the largest decode batch."""
-    return from_flags(EngineConfig, args, seed=0, cache=CacheConfig(enable_prefix_caching=False),
+    cache = dataclasses.replace(from_flags(CacheConfig, args), enable_prefix_caching=False)
+    return from_flags(EngineConfig, args, seed=0, cache=cache,
                       scheduler=SchedulerConfig(max_num_batched_tokens=args.prefill_len,
                                                 max_num_seqs=max(args.batch_sizes)))
 
@@ -200,9 +202,12 @@ def _load_note(other: float | None) -> str:
 
 
 def add_arguments(p) -> None:
-    add_flags(p, EngineConfig, "--model", "--device", "--dtype", "--gpu-memory-utilization",
-              "--quantization", "--no-pack-weights",
-              "--threads", help={"--threads": "torch threads (default: torch's, all cores)"})
+    add_flags(p, EngineConfig, "--model", "--device", "--load-format", "--dtype",
+              "--gpu-memory-utilization", "--quantization", "--no-pack-weights", "--threads",
+              "--kv-cache-gib",
+              help={"--threads": "torch threads (default: torch's, all cores)",
+                    "--kv-cache-gib": "KV cache size in GiB: room for the largest decode batch "
+                                      "at --decode-prompt-len"})
     p.add_argument("--cpus", type=placement.cpu_list_argument, default=None,
                    help="pin to these CPUs, e.g. those `serve` logs for its engine")
     p.add_argument("--helper-cpu", type=int, default=None,

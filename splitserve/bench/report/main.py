@@ -65,6 +65,8 @@ def howto(cfg: ReportConfig, elapsed: float) -> Section:
         "bench-results/quick/\n"
         "bash scripts/benchmarks.sh --vllm-venv VENV   # also against CPU vLLM (installed in "
         "VENV)\n```",
+        "On a GPU machine: `scripts/gpu_check.sh` ([gpu.md](gpu.md) says what it prints "
+        "and where its numbers go).",
         f"This page was written by `{cfg.command}` in {elapsed / 60:.1f} min on the machine "
         "above (the full report is meant to take at most about 15 min on 2 cores). Each "
         f"step's JSON is kept under `{cfg.results_dir}/`, its output under "
