@@ -19,7 +19,9 @@ from splitserve.protocol.prompts import chat_prompt, encode_prompt
 # A byte-level BPE turns each byte into at most one token; a BOS, and a SentencePiece-style
 # leading-space piece, may add one each: a text prompt of B bytes is at most B + 2 tokens.
 SPECIAL_TOKENS_BOUND = 2
-_CHAT_FIELDS = ("messages", "add_generation_prompt", "chat_template_kwargs")
+# What a chat request's prompt is made of (protocol/prompts.chat_prompt)
+_CHAT_FIELDS = ("messages", "add_generation_prompt", "continue_final_message",
+                "chat_template_kwargs", "add_special_tokens", "tools", "tool_choice")
 
 
 def text_bound(text: str) -> int:
@@ -69,7 +71,8 @@ class PromptTokenizer:
             if self.tokenizer is None:
                 return None
             if isinstance(prompt, str):
-                return encode_prompt(self.tokenizer, prompt, self.max_tokens, "prompt").array
+                return encode_prompt(self.tokenizer, prompt, self.max_tokens, "prompt",
+                                     body.get("add_special_tokens") is not False).array
             if "messages" not in body or "prompt" in body:
                 return None
             chat = convert_chat_request({k: body[k] for k in _CHAT_FIELDS if k in body})

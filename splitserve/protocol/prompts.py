@@ -12,26 +12,53 @@ max_token_chars). Encoding blocks: callers on an event loop run it in a thread."
 
 from __future__ import annotations
 
+import msgspec
+
 from splitserve.errors import InvalidRequestError
-from splitserve.protocol.openai_requests import check_template_kwargs, conversation
+from splitserve.protocol.openai_requests import (
+    ChatCompletionRequest, check_continuation, check_template_kwargs, conversation)
 from splitserve.sampling_params import SamplingParams
 from splitserve.tokens import PromptTokens
 
 
 def chat_prompt(tokenizer, chat, max_model_len: int) -> tuple[str, PromptTokens]:
     """(text, ids) of a chat request: its messages rendered by the model's chat template
-    with add_generation_prompt and chat_template_kwargs, then encoded with no special tokens
-    added (the template wrote them). chat: a ChatCompletionRequest or anything with those
-    three fields; its messages are ChatMessages, content parts already flattened.
-    InvalidRequestError (a 400) when it cannot fit max_model_len or does not render."""
+    with add_generation_prompt, chat_template_kwargs and its tools (a chat request's, given
+    with tool_choice "none"), cut after the last message's content under
+    continue_final_message, then encoded with no special tokens added (the template wrote
+    them) unless a ChatCompletionRequest asks for them with add_special_tokens. chat: a
+    ChatCompletionRequest or a TokenizeRequest; its messages are ChatMessages, content parts
+    already flattened. InvalidRequestError (a 400) when it cannot fit max_model_len or does
+    not render."""
     check_message_count(len(chat.messages), max_model_len)
     kwargs = chat.chat_template_kwargs or {}
     check_template_kwargs(kwargs)
+    check_continuation(chat)
+    if getattr(chat, "tools", None):
+        kwargs = {**kwargs, "tools": msgspec.to_builtins(chat.tools)}
     text = tokenizer.apply_chat_template(conversation(chat.messages),
                                          add_generation_prompt=chat.add_generation_prompt,
                                          **kwargs)
+    if chat.continue_final_message:
+        text = open_final_message(text, chat.messages[-1].content or "")
+    special = isinstance(chat, ChatCompletionRequest) and chat.add_special_tokens
     return text, encode_prompt(tokenizer, text, max_model_len, "messages",
-                               add_special_tokens=False)
+                               add_special_tokens=special)
+
+
+def open_final_message(text: str, content: str) -> str:
+    """The rendered chat cut right after the last message's content, so the model goes on
+    with that message instead of after its end-of-turn markers. The template may strip
+    the content's surrounding whitespace: its trailing whitespace is kept only if the
+    template kept it."""
+    core = content.strip()
+    at = text.rfind(core)
+    if at < 0:
+        raise InvalidRequestError("continue_final_message: the chat template does not render "
+                                  "the final message's content as it is, so it cannot be "
+                                  "continued", "continue_final_message")
+    kept = content.lstrip()
+    return text[:at + (len(kept) if text.startswith(kept, at) else len(core))]
 
 
 def check_message_count(count: int, max_model_len: int) -> None:
