@@ -117,7 +117,8 @@ class Orchestrator:
         self.metrics.in_flight.inc()
         try:
             body = relay.parse_body(request.body)
-            relay.check_fields(body, request.path == "/v1/chat/completions", self.unknown)
+            relay.check_fields(body, request.path == "/v1/chat/completions", self.unknown,
+                               self.config.trust_request_chat_template)
             relay.check_logprobs(request.body, body, request.path == "/v1/chat/completions")
             body = relay.salted(body, self.isolation.salt(body.get("cache_salt"),
                                                           self.gate.tenant(request.header)))

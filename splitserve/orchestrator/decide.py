@@ -62,7 +62,8 @@ class Decider:
         self.poll_gen = uses_kv_index(config.generation_servers.router) or self.threshold > 0
         self.index = KVIndex() if self.poll_ctx or self.poll_gen else None
         # The tokenizer only when something reads counts: it costs start-up time and memory.
-        self.tokens = PromptTokenizer(config.model if self.index is not None else None)
+        self.tokens = PromptTokenizer(config.model if self.index is not None else None,
+                                      config.chat_template)
         self.count = metrics.registry.register(Counter(
             "splitserve_orchestrator_prefill_total",
             "Requests by where their prompt was prefilled (ctx, or gen: sent whole) and why",

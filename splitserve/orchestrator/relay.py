@@ -12,7 +12,8 @@ from splitserve.errors import InvalidRequestError
 from splitserve.protocol.cache_salt import check_cache_salt
 from splitserve.protocol.disagg import RELAY_MODES
 from splitserve.protocol.logprob_bound import check_generation_logprobs
-from splitserve.protocol.openai_fields import CHAT, COMPLETIONS, UnknownFields, refuse_unsupported
+from splitserve.protocol.openai_fields import (
+    CHAT, COMPLETIONS, UnknownFields, refuse_request_template, refuse_unsupported)
 from splitserve.protocol.openai_requests import (
     STREAM_OPTIONS_NEED_STREAM, decode_chat_request, decode_completion_request)
 
@@ -69,11 +70,15 @@ def parse_body(raw: bytes) -> dict:
     return body
 
 
-def check_fields(body: dict, chat: bool, unknown: UnknownFields) -> None:
+def check_fields(body: dict, chat: bool, unknown: UnknownFields,
+                 trust_templates: bool = False) -> None:
     """The workers' refusals of what this server does not do (protocol/openai_fields.py),
-    the same 400 before any worker sees the request; unknown fields are told to `unknown`."""
+    the same 400 before any worker sees the request; unknown fields are told to `unknown`.
+    trust_templates: the cluster's --trust-request-chat-template."""
     endpoint = CHAT if chat else COMPLETIONS
     refuse_unsupported(body, endpoint)
+    if chat:
+        refuse_request_template(body.get("chat_template"), trust_templates)
     unknown.check(body, endpoint)
 
 

@@ -54,8 +54,10 @@ def _tools(value, body) -> bool:
 
 
 def _tool_choice(value, body) -> bool:
+    """"none"; "auto" or "required" only over an empty list of tools (vLLM: "required" of
+    no tools is "none")."""
     return value is None or value == "none" or (value in ("auto", "required")
-                                                and not body.get("tools"))
+                                                and body.get("tools") == [])
 
 
 @dataclass(frozen=True)
@@ -94,7 +96,8 @@ FIELDS: dict[str, Field] = {f.name: f for f in [
                   (COMPLETIONS,)),
     *_implemented("echo", "completions: the prompt before the text; chat: the last "
                   "message's content before the answer when it has the answer's role"),
-    *_refused("suffix", "text after the insertion is not supported", _empty, (COMPLETIONS,)),
+    *_refused("suffix", "text after the insertion is not supported", _equals(""),
+              (COMPLETIONS,)),
     *_implemented("best_of", "must equal n (no candidates beyond the returned ones)"),
     # OpenAI, chat
     *_implemented("messages", "the conversation, rendered by the model's chat template",
@@ -142,8 +145,8 @@ FIELDS: dict[str, Field] = {f.name: f for f in [
     *_implemented("add_generation_prompt continue_final_message", "how the chat template "
                   "ends the prompt (vLLM; both true is a 400)", (CHAT,)),
     *_implemented("chat_template_kwargs", "extra variables for the chat template", (CHAT,)),
-    *_refused("chat_template", "a request's own chat template is not accepted",
-              endpoints=(CHAT,)),
+    *_implemented("chat_template", "the request's own chat template, on a server started "
+                  "with --trust-request-chat-template; else a 400", (CHAT,)),
     *_implemented("add_special_tokens", "special tokens (a BOS) added when the prompt is "
                   "encoded: completions by default; chat on top of the template's (vLLM)"),
     *_refused("documents", "retrieval documents are not passed to the chat template",
@@ -191,6 +194,15 @@ def refuse_unsupported(body: Mapping[str, Any], endpoint: str) -> None:
         if value is not None and not field_of(name, endpoint).accepts(value, body):
             raise InvalidRequestError(f"{name} is not supported by this server: "
                                       f"{field_of(name, endpoint).what}", name)
+
+
+def refuse_request_template(template, trusted: bool) -> None:
+    """A request's own chat_template runs on the server (a sandbox, but a template may loop
+    for long): only a server started with --trust-request-chat-template renders it."""
+    if template is not None and not trusted:
+        raise InvalidRequestError("chat_template is not accepted by this server (its "
+                                  "operator may allow it with --trust-request-chat-template)",
+                                  "chat_template")
 
 
 class UnknownFields:

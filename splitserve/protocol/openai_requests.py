@@ -197,6 +197,7 @@ class ChatCompletionRequest(_BaseRequest, kw_only=True, omit_defaults=True):
     add_generation_prompt: bool = True
     continue_final_message: bool = False      # vLLM: the last message is left open
     add_special_tokens: bool = False          # vLLM: a BOS on top of the template's
+    chat_template: str | None = None          # only where the server trusts it
     chat_template_kwargs: dict | None = None
 
     def __post_init__(self):

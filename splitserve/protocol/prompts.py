@@ -12,9 +12,13 @@ max_token_chars). Encoding blocks: callers on an event loop run it in a thread."
 
 from __future__ import annotations
 
+import os
+from dataclasses import field
+
 import msgspec
 
 from splitserve.errors import InvalidRequestError
+from splitserve.flags import flag
 from splitserve.protocol.openai_requests import (
     ChatCompletionRequest, check_continuation, check_template_kwargs, conversation)
 from splitserve.sampling_params import SamplingParams
@@ -24,7 +28,8 @@ from splitserve.tokens import PromptTokens
 def chat_prompt(tokenizer, chat, max_model_len: int) -> tuple[str, PromptTokens]:
     """(text, ids) of a chat request: its messages rendered by the model's chat template
     with add_generation_prompt, chat_template_kwargs and its tools (a chat request's, given
-    with tool_choice "none"), cut after the last message's content under
+    with tool_choice "none") by its own chat_template if it has one (a server that allows
+    it: protocol/openai_fields.refuse_request_template), else the tokenizer's, cut after the last message's content under
     continue_final_message, then encoded with no special tokens added (the template wrote
     them) unless a ChatCompletionRequest asks for them with add_special_tokens. chat: a
     ChatCompletionRequest or a TokenizeRequest; its messages are ChatMessages, content parts
@@ -36,6 +41,8 @@ def chat_prompt(tokenizer, chat, max_model_len: int) -> tuple[str, PromptTokens]
     check_continuation(chat)
     if getattr(chat, "tools", None):
         kwargs = {**kwargs, "tools": msgspec.to_builtins(chat.tools)}
+    if getattr(chat, "chat_template", None):   # allowed by the server (openai_fields.py)
+        tokenizer = tokenizer.replace(chat_template=chat.chat_template)
     text = tokenizer.apply_chat_template(conversation(chat.messages),
                                          add_generation_prompt=chat.add_generation_prompt,
                                          **kwargs)
@@ -59,6 +66,35 @@ def open_final_message(text: str, content: str) -> str:
                                   "continued", "continue_final_message")
     kept = content.lstrip()
     return text[:at + (len(kept) if text.startswith(kept, at) else len(core))]
+
+
+def with_template_file(tokenizer, path: str | None):
+    """The tokenizer with the chat template read from `path` (serve and up's
+    --chat-template) in place of the model's; as it is without one."""
+    if not path:
+        return tokenizer
+    with open(path, encoding="utf-8") as f:
+        return tokenizer.replace(chat_template=f.read())
+
+
+def template_file_field():
+    """serve's and up's --chat-template (ServerConfig, ClusterConfig): a file's path."""
+    return field(default=None, metadata=flag(
+        "--chat-template", "a Jinja chat template file used instead of the model's",
+        metavar="FILE"))
+
+
+def trust_templates_field():
+    """serve's and up's --trust-request-chat-template (protocol/openai_fields.py)."""
+    return field(default=False, metadata=flag(
+        "--trust-request-chat-template", "render a chat request's own chat_template (else a "
+                                         "request carrying one gets 400)"))
+
+
+def check_template_file(path: str | None) -> None:
+    """A config's check: a --chat-template that names no readable file stops the start."""
+    if path is not None and not os.access(path, os.R_OK):
+        raise ValueError(f"chat template file {path!r} does not exist or cannot be read")
 
 
 def check_message_count(count: int, max_model_len: int) -> None:

@@ -23,7 +23,7 @@ from splitserve.protocol.internal_api import SENT_AT_HEADER
 from splitserve.protocol.openai import (
     DONE, ChatCompletionRequest, CompletionRequest, EchoPrompt, ResponseAccumulator,
     StreamEncoder, decode_chat_request, decode_completion_request, response_id, sse_error)
-from splitserve.protocol.openai_fields import UnknownFields
+from splitserve.protocol.openai_fields import UnknownFields, refuse_request_template
 from splitserve.protocol.prompts import chat_prompt, encode_prompt
 from splitserve.sampling_params import SamplingParams
 from splitserve.server.admission import (
@@ -79,6 +79,7 @@ class GenerateHandlers:
         arrival = _arrival(request, self.server.gate)
         self.server.admit()
         req = decode_chat_request(request.body, self.unknown)
+        refuse_request_template(req.chat_template, self.server.config.trust_request_chat_template)
         self._internal_only(request, req)
         self.server.check_model(req.model)
         params = req.sampling_params()
