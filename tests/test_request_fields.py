@@ -310,3 +310,32 @@ def test_a_worker_renders_its_template_file_and_a_trusted_requests(tmp_path):
         assert status == 400 and body["error"]["param"] == "guided_regex"
     finally:
         w.close()
+
+
+def test_nested_fields_are_implemented_or_refused():
+    tool_history = [*USER, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]
+    with pytest.raises(InvalidRequestError) as err:
+        decode_chat_request(json.dumps({"messages": tool_history}).encode())
+    assert err.value.param == "messages[1].tool_calls"
+    answer = [*USER, {"role": "tool", "content": "42", "tool_call_id": "c1"}]
+    req = decode_chat_request(json.dumps({"messages": answer}).encode())
+    assert req.conversation()[1]["tool_call_id"] == "c1"     # the template may read it
+    body = {"prompt": "hi", "stream": True, "stream_options": {"include_obfuscation": True}}
+    with pytest.raises(InvalidRequestError) as worker:
+        decode_completion_request(json.dumps(body).encode())
+    with pytest.raises(InvalidRequestError) as orch:
+        relay.parse_body(json.dumps(body).encode())
+    assert worker.value.param == orch.value.param == "stream_options.include_obfuscation"
+    body["stream_options"] = {"include_obfuscation": False}
+    decode_completion_request(json.dumps(body).encode())
+    relay.parse_body(json.dumps(body).encode())
+
+
+def test_the_api_page_lists_every_field_as_the_code_decides_it():
+    import pathlib
+    import re
+    page = next(p / "docs" / "api.md" for p in pathlib.Path(__file__).resolve().parents
+                if (p / "docs" / "api.md").exists()).read_text()
+    rows = dict(re.findall(r"^\| `(\w+)` \| [a-z]+ \| (implemented|refused) \|", page, re.M))
+    assert rows == {name: f.status for name, f in FIELDS.items()}

@@ -13,7 +13,8 @@ from splitserve.protocol.cache_salt import check_cache_salt
 from splitserve.protocol.disagg import RELAY_MODES
 from splitserve.protocol.logprob_bound import check_generation_logprobs
 from splitserve.protocol.openai_fields import (
-    CHAT, COMPLETIONS, UnknownFields, refuse_request_template, refuse_unsupported)
+    CHAT, COMPLETIONS, UnknownFields, refuse_obfuscation, refuse_request_template,
+    refuse_unsupported)
 from splitserve.protocol.openai_requests import (
     STREAM_OPTIONS_NEED_STREAM, decode_chat_request, decode_completion_request)
 
@@ -104,6 +105,8 @@ def _check_stream_fields(body: dict) -> None:
                                   "continuous_usage_stats are booleans", "stream_options")
     if options is not None and stream is not True:
         raise InvalidRequestError(STREAM_OPTIONS_NEED_STREAM, "stream_options")
+    if options is not None:
+        refuse_obfuscation(options.get("include_obfuscation"))
 
 
 _MAX_DUMPS_DEPTH = 254

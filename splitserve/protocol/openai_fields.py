@@ -12,6 +12,7 @@ a bounded set: clients cannot grow it without limit)."""
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
@@ -40,6 +41,7 @@ def _empty(value, body) -> bool:
 def _equals(*values) -> Callable[[Any, Mapping], bool]:
     def accepts(value, body) -> bool:
         return value is None or any(value == v and type(value) is type(v) for v in values)
+    accepts.shown = ", ".join(["null", *(json.dumps(v) for v in values)])
     return accepts
 
 
@@ -60,14 +62,26 @@ def _tool_choice(value, body) -> bool:
                                                 and body.get("tools") == [])
 
 
+_unset.shown, _false.shown, _empty.shown = "null", "null, false", "null, [], {}"
+_text_format.shown = 'null, {"type": "text"}'
+_tools.shown = 'null, [], any list of function tools with tool_choice "none"'
+_tool_choice.shown = 'null, "none"; "auto" or "required" with "tools": []'
+
+
 @dataclass(frozen=True)
 class Field:
     name: str
     endpoints: tuple[str, ...]
     status: str
     what: str                     # implemented: what it does; refused: why
-    # REFUSED only: (value, the whole body) -> True when the value asks for nothing
+    # REFUSED only: (value, the whole body) -> True when the value asks for nothing; its
+    # `shown` says which values those are
     accepts: Callable[[Any, Mapping], bool] = _unset
+
+    @property
+    def accepted(self) -> str:
+        """The values a refused field is accepted with, as docs/api.md shows them."""
+        return self.accepts.shown if self.status == REFUSED else "any valid value"
 
 
 def _implemented(names: str, what: str, endpoints=BOTH) -> list[Field]:
@@ -88,7 +102,8 @@ FIELDS: dict[str, Field] = {f.name: f for f in [
                   "logit_bias max_tokens", "sampling and stopping"),
     *_implemented("stream", "server-sent events"),
     *_implemented("stream_options", "include_usage: a usage chunk before [DONE]; "
-                  "continuous_usage_stats: usage in every chunk"),
+                  "continuous_usage_stats: usage in every chunk; include_obfuscation: only "
+                  "false (no padding is sent)"),
     *_implemented("user", "session affinity routing key (splitserve up)"),
     *_implemented("logprobs", "log probabilities of the generated tokens"),
     # OpenAI, completions
@@ -194,6 +209,15 @@ def refuse_unsupported(body: Mapping[str, Any], endpoint: str) -> None:
         if value is not None and not field_of(name, endpoint).accepts(value, body):
             raise InvalidRequestError(f"{name} is not supported by this server: "
                                       f"{field_of(name, endpoint).what}", name)
+
+
+def refuse_obfuscation(value) -> None:
+    """stream_options.include_obfuscation (OpenAI): padding in every chunk, which this
+    server never sends; false or null ask for nothing."""
+    if value is not None and value is not False:
+        raise InvalidRequestError("stream_options.include_obfuscation is not supported by this "
+                                  "server: chunks carry no obfuscation padding",
+                                  "stream_options.include_obfuscation")
 
 
 def refuse_request_template(template, trusted: bool) -> None:

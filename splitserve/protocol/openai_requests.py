@@ -19,7 +19,7 @@ from splitserve.errors import InvalidRequestError
 from splitserve.protocol.cache_salt import check_cache_salt
 from splitserve.protocol.disagg import DisaggregatedParams
 from splitserve.protocol.openai_fields import (
-    CHAT, COMPLETIONS, FIELDS, REFUSED, UnknownFields, refuse_unsupported)
+    CHAT, COMPLETIONS, FIELDS, REFUSED, UnknownFields, refuse_obfuscation, refuse_unsupported)
 from splitserve.sampling_params import INT32_MAX, MAX_N, MAX_STOP, SamplingParams
 
 MAX_TOP_LOGPROBS = 20
@@ -29,6 +29,10 @@ MAX_PROMPTS = 128          # prompts in one completions batch (each runs n seque
 class StreamOptions(msgspec.Struct, kw_only=True, omit_defaults=True):
     include_usage: bool | None = None
     continuous_usage_stats: bool | None = None    # vLLM: usage in every chunk too
+    include_obfuscation: bool | None = None       # OpenAI's padding: never sent here
+
+    def __post_init__(self):
+        refuse_obfuscation(self.include_obfuscation)
 
 
 STREAM_OPTIONS_NEED_STREAM = "stream_options is only allowed when stream is true"
@@ -154,8 +158,13 @@ class ChatMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
     role: Literal["system", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None   # a list of parts is flattened to a str
     name: str | None = None
+    tool_call_id: str | None = None      # a tool message's: which call it answers
+    tool_calls: Any = None               # an assistant's earlier calls: tool calling's
 
     def __post_init__(self):
+        _check(self.tool_calls is None or self.tool_calls == [],
+               "tool_calls in the history are not supported: tool calling is not supported "
+               "yet", "tool_calls")
         if isinstance(self.content, list):
             for i, part in enumerate(self.content):
                 _check(part.type == "text" and part.text is not None,
@@ -168,6 +177,8 @@ class ChatMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
         msg = {"role": self.role, "content": self.content or ""}
         if self.name is not None:
             msg["name"] = self.name
+        if self.tool_call_id is not None:
+            msg["tool_call_id"] = self.tool_call_id
         return msg
 
 
