@@ -77,7 +77,7 @@ def check_fields(body: dict, chat: bool, unknown: UnknownFields,
     the same 400 before any worker sees the request; unknown fields are told to `unknown`.
     trust_templates: the cluster's --trust-request-chat-template."""
     endpoint = CHAT if chat else COMPLETIONS
-    refuse_unsupported(body, endpoint)
+    refuse_unsupported(body.get, endpoint)
     if chat:
         refuse_request_template(body.get("chat_template"), trust_templates)
     unknown.check(body, endpoint)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 from splitserve.errors import InvalidRequestError
 
@@ -26,40 +26,41 @@ COMPLETIONS, CHAT = "completions", "chat"
 BOTH = (COMPLETIONS, CHAT)
 
 
-def _unset(value, body) -> bool:
+# A refused field's accepts(value, get): get(name) is another field's value (None: unset).
+def _unset(value, get) -> bool:
     return value is None
 
 
-def _false(value, body) -> bool:
+def _false(value, get) -> bool:
     return value is None or value is False
 
 
-def _empty(value, body) -> bool:
+def _empty(value, get) -> bool:
     return value is None or value == [] or value == {}
 
 
-def _equals(*values) -> Callable[[Any, Mapping], bool]:
-    def accepts(value, body) -> bool:
+def _equals(*values) -> Callable[[Any, Callable], bool]:
+    def accepts(value, get) -> bool:
         return value is None or any(value == v and type(value) is type(v) for v in values)
     accepts.shown = ", ".join(["null", *(json.dumps(v) for v in values)])
     return accepts
 
 
-def _text_format(value, body) -> bool:
+def _text_format(value, get) -> bool:
     return value is None or (isinstance(value, dict) and value.get("type") == "text")
 
 
-def _tools(value, body) -> bool:
+def _tools(value, get) -> bool:
     """No tool may be called: none given, or tool_choice "none" (the tools then reach the
     chat template, as vLLM renders them)."""
-    return _empty(value, body) or body.get("tool_choice") == "none"
+    return _empty(value, get) or get("tool_choice") == "none"
 
 
-def _tool_choice(value, body) -> bool:
+def _tool_choice(value, get) -> bool:
     """"none"; "auto" or "required" only over an empty list of tools (vLLM: "required" of
     no tools is "none")."""
     return value is None or value == "none" or (value in ("auto", "required")
-                                                and body.get("tools") == [])
+                                                and get("tools") == [])
 
 
 _unset.shown, _false.shown, _empty.shown = "null", "null, false", "null, [], {}"
@@ -74,9 +75,9 @@ class Field:
     endpoints: tuple[str, ...]
     status: str
     what: str                     # implemented: what it does; refused: why
-    # REFUSED only: (value, the whole body) -> True when the value asks for nothing; its
-    # `shown` says which values those are
-    accepts: Callable[[Any, Mapping], bool] = _unset
+    # REFUSED only: (value, get) -> True when the value asks for nothing; its `shown` says
+    # which values those are
+    accepts: Callable[[Any, Callable], bool] = _unset
 
     @property
     def accepted(self) -> str:
@@ -196,19 +197,19 @@ def known_fields(endpoint: str) -> frozenset[str]:
     return frozenset(n for n in FIELDS if field_of(n, endpoint) is not None)
 
 
-def refused_fields(endpoint: str) -> tuple[str, ...]:
-    return tuple(n for n in FIELDS if (f := field_of(n, endpoint)) and f.status == REFUSED)
+def refused_fields(endpoint: str) -> tuple[Field, ...]:
+    return tuple(f for n in FIELDS if (f := field_of(n, endpoint)) and f.status == REFUSED)
 
 
-def refuse_unsupported(body: Mapping[str, Any], endpoint: str) -> None:
+def refuse_unsupported(get: Callable[[str], Any], endpoint: str) -> None:
     """InvalidRequestError (a 400 naming the field) for the first refused field whose value
-    asks for something this server does not do. body: the request's top-level fields as
-    JSON values (a parsed body, or a decoded request's fields)."""
-    for name in refused_fields(endpoint):
-        value = body.get(name)
-        if value is not None and not field_of(name, endpoint).accepts(value, body):
-            raise InvalidRequestError(f"{name} is not supported by this server: "
-                                      f"{field_of(name, endpoint).what}", name)
+    asks for something this server does not do. get(name): the request's top-level field
+    as a JSON value, None if unset (a parsed body's `get`, a decoded request's attribute)."""
+    for f in _REFUSED[endpoint]:
+        value = get(f.name)
+        if value is not None and not f.accepts(value, get):
+            raise InvalidRequestError(f"{f.name} is not supported by this server: {f.what}",
+                                      f.name)
 
 
 def refuse_obfuscation(value) -> None:
@@ -254,3 +255,4 @@ class UnknownFields:
 
 
 _KNOWN = {ep: known_fields(ep) for ep in BOTH}
+_REFUSED = {ep: refused_fields(ep) for ep in BOTH}

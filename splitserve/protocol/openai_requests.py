@@ -4,9 +4,12 @@ msgspec Structs.
 Decoding checks types and shapes (`decode_*`); `.sampling_params()` maps the request onto
 SamplingParams, which checks value ranges. Both raise InvalidRequestError naming the
 offending parameter, so the HTTP layer answers 400 without guessing. Which fields exist
-and which are refused is protocol/openai_fields.py's list: every refused field is a field
-of these Structs (a JSON value, checked there by `refuse_unsupported`). Fields no schema
-knows are ignored; `decode_*` with `unknown` set tells it their names (one warning each)."""
+and which are refused is protocol/openai_fields.py's list. A refused field is no field of
+these Structs but for chat's tools and tool_choice (the template reads tools under
+tool_choice "none"): `decode_*` first decodes a body with a decoder that refuses every
+field the Struct lacks, so a body with none of them (nearly all) costs nothing more; a body
+with some is decoded again, its keys listed, each refused field's value checked
+(`refuse_unsupported`) and each unknown one told to `unknown` (one warning per name)."""
 
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ from splitserve.errors import InvalidRequestError
 from splitserve.protocol.cache_salt import check_cache_salt
 from splitserve.protocol.disagg import DisaggregatedParams
 from splitserve.protocol.openai_fields import (
-    CHAT, COMPLETIONS, FIELDS, REFUSED, UnknownFields, refuse_obfuscation, refuse_unsupported)
+    CHAT, COMPLETIONS, UnknownFields, refuse_obfuscation, refuse_unsupported)
 from splitserve.sampling_params import INT32_MAX, MAX_N, MAX_STOP, SamplingParams
 
 MAX_TOP_LOGPROBS = 20
@@ -37,13 +40,7 @@ class StreamOptions(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 STREAM_OPTIONS_NEED_STREAM = "stream_options is only allowed when stream is true"
 
-# Every refused field, as the JSON value it was sent as: refuse_unsupported reads them.
-_Refusable = msgspec.defstruct(
-    "_Refusable", [(n, Any, None) for n, f in FIELDS.items() if f.status == REFUSED],
-    kw_only=True, omit_defaults=True)
-
-
-class _BaseRequest(_Refusable, kw_only=True, omit_defaults=True):
+class _BaseRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Fields both endpoints share. Optional fields accept an explicit null (clients send
     them) and mean the default."""
     model: str | None = None
@@ -91,8 +88,6 @@ class _BaseRequest(_Refusable, kw_only=True, omit_defaults=True):
         _check(self.best_of is None or self.best_of == (self.n or 1),
                "best_of is not supported (it must equal n)", "best_of")
         check_cache_salt(self.cache_salt)
-        refuse_unsupported({n: getattr(self, n) for n in _Refusable.__struct_fields__},
-                           self._endpoint)
 
     @property
     def include_usage(self) -> bool:
@@ -210,13 +205,17 @@ class ChatCompletionRequest(_BaseRequest, kw_only=True, omit_defaults=True):
     add_special_tokens: bool = False          # vLLM: a BOS on top of the template's
     chat_template: str | None = None          # only where the server trusts it
     chat_template_kwargs: dict | None = None
+    tools: Any = None                         # JSON values: refused but under tool_choice
+    tool_choice: Any = None                   # "none" (openai_fields.py)
 
     def __post_init__(self):
         super().__post_init__()
         if self.messages is not None or not self._generation_only:
             _check(bool(self.messages), "messages must not be empty", "messages")
         check_continuation(self)
-        if self.tools:     # accepted with tool_choice "none" only (openai_fields.py)
+        if self.tools is not None or self.tool_choice is not None:
+            refuse_unsupported(lambda name: getattr(self, name, None), CHAT)
+        if self.tools:
             _check(isinstance(self.tools, list), "tools must be a list of tools", "tools")
             self.tools = _decode(lambda t: msgspec.convert(t, _tools_type), self.tools)
         _check(self.top_logprobs is None or 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
@@ -324,20 +323,26 @@ def decode_chat_request(body: bytes, unknown: UnknownFields | None = None,
 
 
 def _decode_noting(decoder, body: bytes, unknown: UnknownFields | None, endpoint: str):
-    """Decoded as `decoder` decodes it; with `unknown`, the names of top-level fields no
-    schema knows are told to it. A body without such fields (nearly every one) is decoded
-    once, by a decoder that refuses them; only one with them is decoded again and its keys
-    listed."""
-    if unknown is None:
-        return _decode(decoder.decode, body)
+    """Decoded as `decoder` decodes it, its refused fields refused (a 400 naming one) and,
+    with `unknown`, the names of fields no schema knows told to it. A body with no field the
+    Struct lacks (nearly every one) is decoded once, by a decoder that refuses such fields;
+    only one with some is decoded again and its keys listed."""
     try:
         return _decode(_strict_decoders[endpoint].decode, body)
     except InvalidRequestError as exc:
         if exc.param is not None or not exc.message.startswith(_UNKNOWN_FIELD):
             raise
     req = _decode(decoder.decode, body)
-    unknown.check(unknown_fields(body), endpoint)
+    fields = _raw_object_decoder.decode(body)
+    _decode(lambda f: refuse_unsupported(lambda name: _json_value(f.get(name)), endpoint),
+            fields)   # (a value nested too deep is a 400 too)
+    if unknown is not None:
+        unknown.check(fields, endpoint)
     return req
+
+
+def _json_value(raw: msgspec.Raw | None):
+    return None if raw is None else msgspec.json.decode(raw)
 
 
 def decode_tokenize_request(body: bytes) -> TokenizeRequest:
@@ -352,14 +357,6 @@ def convert_chat_request(fields: dict) -> ChatCompletionRequest:
 
 def _convert_chat(fields: dict) -> ChatCompletionRequest:
     return msgspec.convert(fields, ChatCompletionRequest)
-
-
-def unknown_fields(body: bytes) -> list[str]:
-    """Top-level keys of a JSON object body (values are scanned, not decoded)."""
-    try:
-        return list(_raw_object_decoder.decode(body))
-    except msgspec.DecodeError:
-        return []
 
 
 def _decode(decode, body):
