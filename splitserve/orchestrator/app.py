@@ -30,6 +30,7 @@ from splitserve.orchestrator.registry import (NOT_INTERNAL, PATHS, LocalMembersh
                                               RemoteMembership)
 from splitserve.protocol.cache_salt import CacheIsolation, derivation_key
 from splitserve.protocol.openai import error_body, status_error_body
+from splitserve.protocol.openai_fields import UnknownFields
 from splitserve.signals import wait_for_stop_signal
 from splitserve.trust import Gate
 
@@ -87,6 +88,7 @@ class Orchestrator:
                                other_fds=self.max_in_flight)
         self.gc = ServingGC()
         self.in_flight = 0
+        self.unknown = UnknownFields("orch")     # request fields no schema knows: told once
 
     # -- the request path -----------------------------------------------------------------
     def check_head(self, request: Request) -> Admission | Response:
@@ -115,6 +117,8 @@ class Orchestrator:
         self.metrics.in_flight.inc()
         try:
             body = relay.parse_body(request.body)
+            relay.check_fields(body, request.path == "/v1/chat/completions", self.unknown,
+                               self.config.trust_request_chat_template)
             relay.check_logprobs(request.body, body, request.path == "/v1/chat/completions")
             body = relay.salted(body, self.isolation.salt(body.get("cache_salt"),
                                                           self.gate.tenant(request.header)))

@@ -10,6 +10,8 @@ import yaml
 from splitserve.protocol.cache_salt import check_isolation
 from splitserve.protocol.disagg import RELAY_MODES
 from splitserve.protocol.internal_api import reported_load
+from splitserve.protocol.prompts import (
+    check_template_file, template_file_field, trust_templates_field)
 from splitserve.trust import api_keys
 
 
@@ -71,6 +73,11 @@ class ClusterConfig:
     # none | api_key: a client shares prefix-cache blocks only with clients of its own key
     # (protocol/cache_salt.py); the effective salt rides each body sent to a worker.
     cache_isolation: str = "none"
+    # The workers' (serve --chat-template, --trust-request-chat-template): the template the
+    # orchestrator counts chat prompts with, and whether a request may bring its own (a 400
+    # here otherwise, as from a worker). `up` gives both to its workers and itself.
+    chat_template: str | None = template_file_field()
+    trust_request_chat_template: bool = trust_templates_field()
 
     def __post_init__(self):
         if self.token_relay not in RELAY_MODES:
@@ -94,6 +101,7 @@ class ClusterConfig:
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes!r}")
         check_isolation(self.cache_isolation, self.api_key)
+        check_template_file(self.chat_template)
 
     @classmethod
     def from_yaml(cls, path: str) -> ClusterConfig:

@@ -63,7 +63,7 @@ class Decider:
         self.index = KVIndex() if self.poll_ctx or self.poll_gen else None
         # The tokenizer only when something reads counts: it costs start-up time and memory.
         self.tokens = PromptTokenizer(config.model if self.index is not None else None,
-                                      config.load_format)
+                                      config.load_format, config.chat_template)
         self.count = metrics.registry.register(Counter(
             "splitserve_orchestrator_prefill_total",
             "Requests by where their prompt was prefilled (ctx, or gen: sent whole) and why",

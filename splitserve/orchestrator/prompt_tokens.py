@@ -14,12 +14,15 @@ import numpy as np
 from splitserve.model.loader import load_model_source
 from splitserve.protocol.block_hashes import chain_hashes
 from splitserve.protocol.openai_requests import convert_chat_request
-from splitserve.protocol.prompts import chat_prompt, encode_prompt
+from splitserve.protocol.prompts import chat_prompt, encode_prompt, with_template_file
 
 # A byte-level BPE turns each byte into at most one token; a BOS, and a SentencePiece-style
 # leading-space piece, may add one each: a text prompt of B bytes is at most B + 2 tokens.
 SPECIAL_TOKENS_BOUND = 2
-_CHAT_FIELDS = ("messages", "add_generation_prompt", "chat_template_kwargs")
+# What a chat request's prompt is made of (protocol/prompts.chat_prompt)
+_CHAT_FIELDS = ("messages", "add_generation_prompt", "continue_final_message",
+                "chat_template", "chat_template_kwargs", "add_special_tokens", "tools",
+                "tool_choice")
 
 
 def text_bound(text: str) -> int:
@@ -39,11 +42,13 @@ def single_prompt(body: dict):
 
 
 class PromptTokenizer:
-    """The workers' tokenizer (model: a name or path load_model_source takes; None: none)."""
+    """The workers' tokenizer (model: a name or path load_model_source takes; None: none),
+    with their chat template file if they have one (chat_template: its path)."""
 
-    def __init__(self, model: str | None, load_format: str = "auto"):
+    def __init__(self, model: str | None, load_format: str = "auto",
+                 chat_template: str | None = None):
         source = load_model_source(model, load_format) if model else None
-        self.tokenizer = source.tokenizer if source else None
+        self.tokenizer = with_template_file(source.tokenizer, chat_template) if source else None
         # No worker's context is longer: a text surely past it is not encoded here (the
         # worker refuses it before encoding too).
         self.max_tokens = source.config.max_position_embeddings if source else 0
@@ -69,7 +74,8 @@ class PromptTokenizer:
             if self.tokenizer is None:
                 return None
             if isinstance(prompt, str):
-                return encode_prompt(self.tokenizer, prompt, self.max_tokens, "prompt").array
+                return encode_prompt(self.tokenizer, prompt, self.max_tokens, "prompt",
+                                     body.get("add_special_tokens") is not False).array
             if "messages" not in body or "prompt" in body:
                 return None
             chat = convert_chat_request({k: body[k] for k in _CHAT_FIELDS if k in body})

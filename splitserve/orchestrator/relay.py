@@ -12,7 +12,11 @@ from splitserve.errors import InvalidRequestError
 from splitserve.protocol.cache_salt import check_cache_salt
 from splitserve.protocol.disagg import RELAY_MODES
 from splitserve.protocol.logprob_bound import check_generation_logprobs
-from splitserve.protocol.openai_requests import decode_chat_request, decode_completion_request
+from splitserve.protocol.openai_fields import (
+    CHAT, COMPLETIONS, UnknownFields, refuse_obfuscation, refuse_request_template,
+    refuse_unsupported)
+from splitserve.protocol.openai_requests import (
+    STREAM_OPTIONS_NEED_STREAM, decode_chat_request, decode_completion_request)
 
 SSE = "text/event-stream"
 
@@ -67,6 +71,18 @@ def parse_body(raw: bytes) -> dict:
     return body
 
 
+def check_fields(body: dict, chat: bool, unknown: UnknownFields,
+                 trust_templates: bool = False) -> None:
+    """The workers' refusals of what this server does not do (protocol/openai_fields.py),
+    the same 400 before any worker sees the request; unknown fields are told to `unknown`.
+    trust_templates: the cluster's --trust-request-chat-template."""
+    endpoint = CHAT if chat else COMPLETIONS
+    refuse_unsupported(body.get, endpoint)
+    if chat:
+        refuse_request_template(body.get("chat_template"), trust_templates)
+    unknown.check(body, endpoint)
+
+
 def salted(body: dict, salt: str | None) -> dict:
     """The client's body with the effective cache_salt (protocol/cache_salt.py) in place of
     its own: what every worker is sent, and what the orchestrator's block hashes start
@@ -82,10 +98,15 @@ def _check_stream_fields(body: dict) -> None:
     stream, options = body.get("stream"), body.get("stream_options")
     if stream is not None and not isinstance(stream, bool):
         raise InvalidRequestError("stream must be a boolean", "stream")
-    if options is not None and not (isinstance(options, dict) and isinstance(
-            options.get("include_usage"), (bool, type(None)))):
-        raise InvalidRequestError("stream_options must be an object whose include_usage is a "
-                                  "boolean", "stream_options")
+    if options is not None and not (isinstance(options, dict) and all(isinstance(
+            options.get(k), (bool, type(None))) for k in ("include_usage",
+                                                           "continuous_usage_stats"))):
+        raise InvalidRequestError("stream_options must be an object whose include_usage and "
+                                  "continuous_usage_stats are booleans", "stream_options")
+    if options is not None and stream is not True:
+        raise InvalidRequestError(STREAM_OPTIONS_NEED_STREAM, "stream_options")
+    if options is not None:
+        refuse_obfuscation(options.get("include_obfuscation"))
 
 
 _MAX_DUMPS_DEPTH = 254
@@ -131,17 +152,25 @@ def context_body(body: dict, mode: str) -> dict:
 
 def generation_body(body: dict, ctx_params: dict, migratable: bool = False) -> dict:
     """The client's request minus its prompt (GEN takes the prompt from ctx_params, in the
-    relay mode's form; a token-id prompt must not cost GEN a JSON list decode anyway).
+    relay mode's form; a token-id prompt must not cost GEN a JSON list decode anyway), but
+    for a chat echo's messages (the answer starts with the last one's content).
     migratable: GEN tags its SSE events with their token ids (orchestrator/migrate.py)."""
-    out = {k: v for k, v in body.items() if k not in ("prompt", "messages", "token_relay")}
+    dropped = ("prompt", "token_relay") if _chat_echo(body) else \
+        ("prompt", "messages", "token_relay")
+    out = {k: v for k, v in body.items() if k not in dropped}
     out["disaggregated_params"] = {**ctx_params, "request_type": "generation_only"}
     if migratable:
         out["disaggregated_params"]["stream_token_ids"] = True
     return out
 
 
-def as_stream(answer: dict, include_usage: bool) -> bytes:
-    """A finished non-streaming answer (CTX ended the request) as the SSE a client expects."""
+def _chat_echo(body: dict) -> bool:
+    return body.get("echo") is True and "messages" in body
+
+
+def as_stream(answer: dict, include_usage: bool, continuous_usage: bool = False) -> bytes:
+    """A finished non-streaming answer (CTX ended the request) as the SSE a client expects;
+    continuous_usage: every chunk carries the usage (vLLM), here the answer's whole."""
     chat = answer.get("object") == "chat.completion"
     head = {k: answer[k] for k in ("id", "created", "model") if k in answer}
     head["object"] = "chat.completion.chunk" if chat else "text_completion"
@@ -154,7 +183,8 @@ def as_stream(answer: dict, include_usage: bool) -> bytes:
         else:
             choice = {"index": c["index"], "text": c.get("text", ""), "logprobs": c.get("logprobs"),
                       "finish_reason": c.get("finish_reason")}
-        out.append(b"data: " + orjson.dumps({**head, "choices": [choice]}) + b"\n\n")
+        usage = {"usage": answer["usage"]} if continuous_usage and "usage" in answer else {}
+        out.append(b"data: " + orjson.dumps({**head, "choices": [choice], **usage}) + b"\n\n")
     if include_usage and "usage" in answer:
         out.append(b"data: " + orjson.dumps({**head, "choices": [], "usage": answer["usage"]}) + b"\n\n")
     out.append(b"data: [DONE]\n\n")

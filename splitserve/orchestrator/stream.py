@@ -130,6 +130,8 @@ def ctx_answer(body: dict, status: int, answer: dict) -> Response:
     as SSE if the client streams."""
     answer.pop("disaggregated_params", None)
     if status == 200 and body.get("stream"):
-        include = bool((body.get("stream_options") or {}).get("include_usage"))
-        return Response(as_stream(answer, include), content_type=SSE)
+        options = body.get("stream_options") or {}
+        include = bool(options.get("include_usage"))
+        continuous = include and bool(options.get("continuous_usage_stats"))
+        return Response(as_stream(answer, include, continuous), content_type=SSE)
     return Response(orjson.dumps(answer), status)

@@ -53,6 +53,10 @@ def worker_command(args, role: str, port: int, cpus: WorkerPlan) -> list[str]:
         cmd += ["--model", args.model]
     if args.load_format != "auto":
         cmd += ["--load-format", args.load_format]
+    if args.chat_template:
+        cmd += ["--chat-template", args.chat_template]
+    if args.trust_request_chat_template:
+        cmd += ["--trust-request-chat-template"]
     if args.cache_isolation != "none":   # a client going around the orchestrator is isolated too
         cmd += ["--cache-isolation", args.cache_isolation]
     if role == "gen" and args.gen_api_servers > 1:
@@ -151,7 +155,9 @@ def cluster_config(args, secret_env: dict[str, str]) -> ClusterConfig:
                            max_in_flight=args.max_in_flight,
                            first_byte_timeout=args.first_byte_timeout,
                            idle_timeout=args.idle_timeout, model=args.model or DEFAULT_MODEL,
-                           load_format=args.load_format)
+                           load_format=args.load_format,
+                           chat_template=args.chat_template,
+                           trust_request_chat_template=args.trust_request_chat_template)
     warn_if_open("up", config.host, config.api_key)
     return config
 

@@ -47,6 +47,7 @@ def add_arguments(p) -> None:
                    help="prompts of at most this many tokens (or all but this many cached "
                         "on a generation worker) are prefilled there, skipping the context "
                         "worker and the KV transfer (default %(default)s: off)")
+    add_flags(p, ClusterConfig, "--chat-template", "--trust-request-chat-template")
     p.add_argument("--start-timeout", type=float, default=600.0)
     p.add_argument("--max-in-flight", type=int, default=ClusterConfig.max_in_flight,
                    help="requests served at once; past it, 503 with Retry-After at once "

@@ -3,18 +3,18 @@
 logprobs (openai_logprobs.py)."""
 
 from splitserve.protocol.openai_requests import (
-    KNOWN_CHAT_FIELDS, KNOWN_COMPLETION_FIELDS, MAX_N, MAX_STOP, ChatCompletionRequest,
+    MAX_N, MAX_STOP, ChatCompletionRequest,
     ChatMessage, CompletionRequest, ContentPart, StreamOptions, decode_chat_request,
-    decode_completion_request, unknown_fields)
+    decode_completion_request)
 from splitserve.protocol.openai_logprobs import TokenText, chat_logprobs, completion_logprobs
 from splitserve.protocol.openai_responses import (
     DONE, FINISH_REASONS, EchoPrompt, ResponseAccumulator, StreamEncoder, engine_error,
     error_body, response_id, sse_error, status_error_body)
 
 __all__ = [
-    "KNOWN_CHAT_FIELDS", "KNOWN_COMPLETION_FIELDS", "MAX_N", "MAX_STOP", "ChatCompletionRequest",
+    "MAX_N", "MAX_STOP", "ChatCompletionRequest",
     "ChatMessage", "CompletionRequest", "ContentPart", "StreamOptions", "decode_chat_request",
-    "decode_completion_request", "unknown_fields",
+    "decode_completion_request",
     "DONE", "FINISH_REASONS", "EchoPrompt", "ResponseAccumulator", "StreamEncoder", "TokenText",
     "chat_logprobs", "completion_logprobs", "engine_error", "error_body", "response_id",
     "sse_error", "status_error_body",

@@ -3,19 +3,26 @@ msgspec Structs.
 
 Decoding checks types and shapes (`decode_*`); `.sampling_params()` maps the request onto
 SamplingParams, which checks value ranges. Both raise InvalidRequestError naming the
-offending parameter, so the HTTP layer answers 400 without guessing. Unknown fields are
-ignored, as OpenAI-compatible servers do; `unknown_fields` lists them for a debug log."""
+offending parameter, so the HTTP layer answers 400 without guessing. Which fields exist
+and which are refused is protocol/openai_fields.py's list. A refused field is no field of
+these Structs but for chat's tools and tool_choice (the template reads tools under
+tool_choice "none"): `decode_*` first decodes a body with a decoder that refuses every
+field the Struct lacks, so a body with none of them (nearly all) costs nothing more; a body
+with some is decoded again, its keys listed, each refused field's value checked
+(`refuse_unsupported`) and each unknown one told to `unknown` (one warning per name)."""
 
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
 from splitserve.errors import InvalidRequestError
 from splitserve.protocol.cache_salt import check_cache_salt
 from splitserve.protocol.disagg import DisaggregatedParams
+from splitserve.protocol.openai_fields import (
+    CHAT, COMPLETIONS, UnknownFields, refuse_obfuscation, refuse_unsupported)
 from splitserve.sampling_params import INT32_MAX, MAX_N, MAX_STOP, SamplingParams
 
 MAX_TOP_LOGPROBS = 20
@@ -24,7 +31,14 @@ MAX_PROMPTS = 128          # prompts in one completions batch (each runs n seque
 
 class StreamOptions(msgspec.Struct, kw_only=True, omit_defaults=True):
     include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None    # vLLM: usage in every chunk too
+    include_obfuscation: bool | None = None       # OpenAI's padding: never sent here
 
+    def __post_init__(self):
+        refuse_obfuscation(self.include_obfuscation)
+
+
+STREAM_OPTIONS_NEED_STREAM = "stream_options is only allowed when stream is true"
 
 class _BaseRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Fields both endpoints share. Optional fields accept an explicit null (clients send
@@ -51,6 +65,9 @@ class _BaseRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     prompt_logprobs: int | None = None
+    spaces_between_special_tokens: bool | None = None
+    best_of: int | None = None
+    echo: bool | None = None
     # Requests share prefix-cache blocks only if they share it (protocol/cache_salt.py)
     cache_salt: str | None = None
     disaggregated_params: DisaggregatedParams | None = None
@@ -66,11 +83,20 @@ class _BaseRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
                f"at most {MAX_STOP} stop strings are supported", "stop")
         _check(self.prompt_logprobs is None or not self.stream,
                "prompt_logprobs is not supported with stream", "prompt_logprobs")
+        _check(self.stream_options is None or bool(self.stream), STREAM_OPTIONS_NEED_STREAM,
+               "stream_options")
+        _check(self.best_of is None or self.best_of == (self.n or 1),
+               "best_of is not supported (it must equal n)", "best_of")
         check_cache_salt(self.cache_salt)
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM: every chunk carries the usage so far (with include_usage only)."""
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
                          prompt_logprobs: int | None) -> SamplingParams:
@@ -92,23 +118,19 @@ class _BaseRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 
 class CompletionRequest(_BaseRequest, kw_only=True, omit_defaults=True):
+    _endpoint = COMPLETIONS
     # msgspec allows one array-like type per union: homogeneity is checked in __post_init__.
     # None only for generation_only: the prompt then arrives in disaggregated_params.
     prompt: str | list[str | int | list[int]] | None = None
     max_tokens: int | None = 16               # null: up to the model's context
     logprobs: int | None = None               # alternatives per token, 0..20
-    echo: bool | None = None
-    suffix: str | None = None
-    best_of: int | None = None
+    add_special_tokens: bool = True           # the tokenizer's (a BOS)
 
     def __post_init__(self):
         super().__post_init__()
         if self.prompt is not None or not self._generation_only:
             _check(self.prompt is not None, "prompt is required", "prompt")
             _check_prompt(self.prompt)
-        _check(not self.suffix, "suffix is not supported", "suffix")
-        _check(self.best_of is None or self.best_of == (self.n or 1),
-               "best_of is not supported (it must equal n)", "best_of")
 
     def prompts(self) -> list[str] | list[list[int]]:
         """The prompts as a list of strings or a list of token-id lists."""
@@ -131,8 +153,13 @@ class ChatMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
     role: Literal["system", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None   # a list of parts is flattened to a str
     name: str | None = None
+    tool_call_id: str | None = None      # a tool message's: which call it answers
+    tool_calls: Any = None               # an assistant's earlier calls: tool calling's
 
     def __post_init__(self):
+        _check(self.tool_calls is None or self.tool_calls == [],
+               "tool_calls in the history are not supported: tool calling is not supported "
+               "yet", "tool_calls")
         if isinstance(self.content, list):
             for i, part in enumerate(self.content):
                 _check(part.type == "text" and part.text is not None,
@@ -145,22 +172,52 @@ class ChatMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
         msg = {"role": self.role, "content": self.content or ""}
         if self.name is not None:
             msg["name"] = self.name
+        if self.tool_call_id is not None:
+            msg["tool_call_id"] = self.tool_call_id
         return msg
 
 
+class Function(msgspec.Struct, kw_only=True, omit_defaults=True):
+    name: str
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class Tool(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A tool as the chat template reads it (with tool_choice "none": never called)."""
+    type: Literal["function"]
+    function: Function
+
+
+_tools_type = list[Tool]
+
+
 class ChatCompletionRequest(_BaseRequest, kw_only=True, omit_defaults=True):
+    _endpoint = CHAT
     messages: list[ChatMessage] | None = None    # None only for generation_only (see prompt)
     max_tokens: int | None = None             # deprecated by OpenAI: max_completion_tokens wins
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False      # vLLM: the last message is left open
+    add_special_tokens: bool = False          # vLLM: a BOS on top of the template's
+    chat_template: str | None = None          # only where the server trusts it
     chat_template_kwargs: dict | None = None
+    tools: Any = None                         # JSON values: refused but under tool_choice
+    tool_choice: Any = None                   # "none" (openai_fields.py)
 
     def __post_init__(self):
         super().__post_init__()
         if self.messages is not None or not self._generation_only:
             _check(bool(self.messages), "messages must not be empty", "messages")
+        check_continuation(self)
+        if self.tools is not None or self.tool_choice is not None:
+            refuse_unsupported(lambda name: getattr(self, name, None), CHAT)
+        if self.tools:
+            _check(isinstance(self.tools, list), "tools must be a list of tools", "tools")
+            self.tools = _decode(lambda t: msgspec.convert(t, _tools_type), self.tools)
         _check(self.top_logprobs is None or 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
                f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}", "top_logprobs")
         _check(bool(self.logprobs) or not self.top_logprobs,
@@ -169,6 +226,16 @@ class ChatCompletionRequest(_BaseRequest, kw_only=True, omit_defaults=True):
 
     def conversation(self) -> list[dict]:
         return conversation(self.messages)
+
+    def echoed(self) -> str:
+        """echo (vLLM): the last message's content, shown before the answer when it has the
+        answer's role (the assistant's, or with add_generation_prompt false, its own)."""
+        if not self.echo or not self.messages:
+            return ""
+        last = self.messages[-1]
+        if self.add_generation_prompt and last.role != "assistant":
+            return ""
+        return last.content or ""
 
     def sampling_params(self) -> SamplingParams:
         max_tokens = self.max_completion_tokens
@@ -190,12 +257,14 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True           # a prompt's; a template writes a chat's
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     chat_template_kwargs: dict | None = None
 
     def __post_init__(self):
         _check((self.prompt is None) != (self.messages is None),
                "send exactly one of prompt or messages", "prompt")
         check_template_kwargs(self.chat_template_kwargs)
+        check_continuation(self)
 
 
 # Names the chat template call takes itself: passed again as keywords they would collide.
@@ -207,14 +276,22 @@ def conversation(messages: list[ChatMessage]) -> list[dict]:
     return [m.to_dict() for m in messages]
 
 
+def check_continuation(chat) -> None:
+    """continue_final_message leaves the last message open for the model to go on: no
+    generation prompt may follow it (vLLM's rule)."""
+    if not getattr(chat, "continue_final_message", False):
+        return
+    _check(not chat.add_generation_prompt, "continue_final_message and add_generation_prompt "
+           "cannot both be true (add_generation_prompt is true unless sent false)",
+           "continue_final_message")
+
+
 def check_template_kwargs(kwargs: dict | None) -> None:
     reserved = sorted(_RESERVED_TEMPLATE_KWARGS.intersection(kwargs or ()))
     _check(not reserved, f"chat_template_kwargs must not set {', '.join(reserved)} (the "
            f"request's own fields set what the template reads)", "chat_template_kwargs")
 
 
-KNOWN_COMPLETION_FIELDS = frozenset(CompletionRequest.__struct_fields__)
-KNOWN_CHAT_FIELDS = frozenset(ChatCompletionRequest.__struct_fields__)
 
 _completion_decoder = msgspec.json.Decoder(CompletionRequest)
 _chat_decoder = msgspec.json.Decoder(ChatCompletionRequest)
@@ -222,12 +299,50 @@ _tokenize_decoder = msgspec.json.Decoder(TokenizeRequest)
 _raw_object_decoder = msgspec.json.Decoder(dict[str, msgspec.Raw])
 
 
-def decode_completion_request(body: bytes) -> CompletionRequest:
-    return _decode(_completion_decoder.decode, body)
+class _StrictCompletion(CompletionRequest, forbid_unknown_fields=True):
+    pass
 
 
-def decode_chat_request(body: bytes) -> ChatCompletionRequest:
-    return _decode(_chat_decoder.decode, body)
+class _StrictChat(ChatCompletionRequest, forbid_unknown_fields=True):
+    pass
+
+
+_strict_decoders = {COMPLETIONS: msgspec.json.Decoder(_StrictCompletion),
+                    CHAT: msgspec.json.Decoder(_StrictChat)}
+_UNKNOWN_FIELD = "Invalid request body: Object contains unknown field"
+
+
+def decode_completion_request(body: bytes, unknown: UnknownFields | None = None,
+                              ) -> CompletionRequest:
+    return _decode_noting(_completion_decoder, body, unknown, COMPLETIONS)
+
+
+def decode_chat_request(body: bytes, unknown: UnknownFields | None = None,
+                        ) -> ChatCompletionRequest:
+    return _decode_noting(_chat_decoder, body, unknown, CHAT)
+
+
+def _decode_noting(decoder, body: bytes, unknown: UnknownFields | None, endpoint: str):
+    """Decoded as `decoder` decodes it, its refused fields refused (a 400 naming one) and,
+    with `unknown`, the names of fields no schema knows told to it. A body with no field the
+    Struct lacks (nearly every one) is decoded once, by a decoder that refuses such fields;
+    only one with some is decoded again and its keys listed."""
+    try:
+        return _decode(_strict_decoders[endpoint].decode, body)
+    except InvalidRequestError as exc:
+        if exc.param is not None or not exc.message.startswith(_UNKNOWN_FIELD):
+            raise
+    req = _decode(decoder.decode, body)
+    fields = _raw_object_decoder.decode(body)
+    _decode(lambda f: refuse_unsupported(lambda name: _json_value(f.get(name)), endpoint),
+            fields)   # (a value nested too deep is a 400 too)
+    if unknown is not None:
+        unknown.check(fields, endpoint)
+    return req
+
+
+def _json_value(raw: msgspec.Raw | None):
+    return None if raw is None else msgspec.json.decode(raw)
 
 
 def decode_tokenize_request(body: bytes) -> TokenizeRequest:
@@ -242,15 +357,6 @@ def convert_chat_request(fields: dict) -> ChatCompletionRequest:
 
 def _convert_chat(fields: dict) -> ChatCompletionRequest:
     return msgspec.convert(fields, ChatCompletionRequest)
-
-
-def unknown_fields(body: bytes, known: frozenset[str]) -> list[str]:
-    """Top-level keys of a JSON object body that the request Struct ignores. Values are not
-    decoded (msgspec.Raw), so this is cheap; call it only when debug logging is on."""
-    try:
-        return [k for k in _raw_object_decoder.decode(body) if k not in known]
-    except msgspec.DecodeError:
-        return []
 
 
 def _decode(decode, body):

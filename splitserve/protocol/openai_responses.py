@@ -119,6 +119,8 @@ class _Response:
         self.n = request.n or 1
         self.token_text = token_text
         self.echo = list(echo) if not self.chat and request.echo else []
+        self.chat_echo = request.echoed() if self.chat else ""   # vLLM's chat echo
+        self.continuous_usage = request.continuous_usage
         self.k = (request.top_logprobs if self.chat else request.logprobs) or 0
         self.want_prompt_logprobs = request.prompt_logprobs is not None
         self.usage = _Usage()
@@ -203,7 +205,8 @@ class ResponseAccumulator(_Response):
             logprobs = self._logprobs_json(c.logprobs, echo_items)
         reason = None if c.finish_reason is None else FINISH_REASONS[c.finish_reason]
         if self.chat:
-            out = {"index": index, "message": {"role": "assistant", "content": text}}
+            out = {"index": index, "message": {"role": "assistant",
+                                               "content": self.chat_echo + text}}
         else:
             out = {"index": index, "text": text}
         out.update(logprobs=logprobs, finish_reason=reason, stop_reason=c.stop_reason)
@@ -223,7 +226,8 @@ class ResponseAccumulator(_Response):
 # -- streaming ------------------------------------------------------------------------------
 class StreamEncoder(_Response):
     """SSE bytes for one streaming request. `chunk()` per delta (b"" when a delta carries
-    nothing to show), then `usage_chunk()` if `request.include_usage`, then DONE."""
+    nothing to show), then `usage_chunk()` if `request.include_usage`, then DONE. With
+    continuous_usage_stats every chunk carries the usage so far too (vLLM)."""
 
     def __init__(self, request, model: str, **kwargs):
         super().__init__(request, model, **kwargs)
@@ -247,6 +251,9 @@ class StreamEncoder(_Response):
             if self.chat:
                 out = self._event({"index": index, "delta": {"role": "assistant", "content": ""},
                                    "logprobs": None, "finish_reason": None})
+                if self.chat_echo:
+                    out += self._event({"index": index, "delta": {"content": self.chat_echo},
+                                        "logprobs": None, "finish_reason": None})
             elif self.echo:
                 echo = self.echo[prompt_index]
                 text = echo.text + text
@@ -277,4 +284,7 @@ class StreamEncoder(_Response):
         return out
 
     def _event(self, choice: dict) -> bytes:
+        if self.continuous_usage:
+            return (self._head + _encode(choice) + b'],"usage":' + _encode(self.usage.to_dict())
+                    + b"}\n\n")
         return self._head + _encode(choice) + b"]}\n\n"

@@ -12,26 +12,89 @@ max_token_chars). Encoding blocks: callers on an event loop run it in a thread."
 
 from __future__ import annotations
 
+import os
+from dataclasses import field
+
+import msgspec
+
 from splitserve.errors import InvalidRequestError
-from splitserve.protocol.openai_requests import check_template_kwargs, conversation
+from splitserve.flags import flag
+from splitserve.protocol.openai_requests import (
+    ChatCompletionRequest, check_continuation, check_template_kwargs, conversation)
 from splitserve.sampling_params import SamplingParams
 from splitserve.tokens import PromptTokens
 
 
 def chat_prompt(tokenizer, chat, max_model_len: int) -> tuple[str, PromptTokens]:
     """(text, ids) of a chat request: its messages rendered by the model's chat template
-    with add_generation_prompt and chat_template_kwargs, then encoded with no special tokens
-    added (the template wrote them). chat: a ChatCompletionRequest or anything with those
-    three fields; its messages are ChatMessages, content parts already flattened.
-    InvalidRequestError (a 400) when it cannot fit max_model_len or does not render."""
+    with add_generation_prompt, chat_template_kwargs and its tools (a chat request's, given
+    with tool_choice "none") by its own chat_template if it has one (a server that allows
+    it: protocol/openai_fields.refuse_request_template), else the tokenizer's, cut after the last message's content under
+    continue_final_message, then encoded with no special tokens added (the template wrote
+    them) unless a ChatCompletionRequest asks for them with add_special_tokens. chat: a
+    ChatCompletionRequest or a TokenizeRequest; its messages are ChatMessages, content parts
+    already flattened. InvalidRequestError (a 400) when it cannot fit max_model_len or does
+    not render."""
     check_message_count(len(chat.messages), max_model_len)
     kwargs = chat.chat_template_kwargs or {}
     check_template_kwargs(kwargs)
+    check_continuation(chat)
+    if getattr(chat, "tools", None):
+        kwargs = {**kwargs, "tools": msgspec.to_builtins(chat.tools)}
+    if getattr(chat, "chat_template", None):   # allowed by the server (openai_fields.py)
+        tokenizer = tokenizer.replace(chat_template=chat.chat_template)
     text = tokenizer.apply_chat_template(conversation(chat.messages),
                                          add_generation_prompt=chat.add_generation_prompt,
                                          **kwargs)
+    if chat.continue_final_message:
+        text = open_final_message(text, chat.messages[-1].content or "")
+    special = isinstance(chat, ChatCompletionRequest) and chat.add_special_tokens
     return text, encode_prompt(tokenizer, text, max_model_len, "messages",
-                               add_special_tokens=False)
+                               add_special_tokens=special)
+
+
+def open_final_message(text: str, content: str) -> str:
+    """The rendered chat cut right after the last message's content, so the model goes on
+    with that message instead of after its end-of-turn markers. The template may strip
+    the content's surrounding whitespace: its trailing whitespace is kept only if the
+    template kept it."""
+    core = content.strip()
+    at = text.rfind(core)
+    if at < 0:
+        raise InvalidRequestError("continue_final_message: the chat template does not render "
+                                  "the final message's content as it is, so it cannot be "
+                                  "continued", "continue_final_message")
+    kept = content.lstrip()
+    return text[:at + (len(kept) if text.startswith(kept, at) else len(core))]
+
+
+def with_template_file(tokenizer, path: str | None):
+    """The tokenizer with the chat template read from `path` (serve and up's
+    --chat-template) in place of the model's; as it is without one."""
+    if not path:
+        return tokenizer
+    with open(path, encoding="utf-8") as f:
+        return tokenizer.replace(chat_template=f.read())
+
+
+def template_file_field():
+    """serve's and up's --chat-template (ServerConfig, ClusterConfig): a file's path."""
+    return field(default=None, metadata=flag(
+        "--chat-template", "a Jinja chat template file used instead of the model's",
+        metavar="FILE"))
+
+
+def trust_templates_field():
+    """serve's and up's --trust-request-chat-template (protocol/openai_fields.py)."""
+    return field(default=False, metadata=flag(
+        "--trust-request-chat-template", "render a chat request's own chat_template (else a "
+                                         "request carrying one gets 400)"))
+
+
+def check_template_file(path: str | None) -> None:
+    """A config's check: a --chat-template that names no readable file stops the start."""
+    if path is not None and not os.access(path, os.R_OK):
+        raise ValueError(f"chat template file {path!r} does not exist or cannot be read")
 
 
 def check_message_count(count: int, max_model_len: int) -> None:

@@ -23,7 +23,7 @@ from splitserve.protocol.cache_salt import CacheIsolation, derivation_key
 from splitserve.protocol.internal_api import KV_BLOCKS_PATH, load_body
 from splitserve.protocol.openai import error_body, status_error_body
 from splitserve.protocol.openai_requests import decode_tokenize_request
-from splitserve.protocol.prompts import chat_prompt, encode_prompt
+from splitserve.protocol.prompts import chat_prompt, encode_prompt, with_template_file
 from splitserve.server.config import ServerConfig
 from splitserve.server.engine_client import EngineClient, EngineDeadError
 from splitserve.server.engine_link import EngineLink
@@ -63,7 +63,8 @@ class WorkerServer:
         self.log_prefix = self.engine.log_prefix
         self._reporter: asyncio.Task | None = None
         # The front-end needs only the tokenizer; weights are read by the engine process.
-        self.tokenizer = load_model_source(config.engine.model, config.engine.load_format).tokenizer
+        source = load_model_source(config.engine.model, config.engine.load_format)
+        self.tokenizer = with_template_file(source.tokenizer, config.chat_template)
         self.pool = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tokenize")
         self.gc = ServingGC()
         self.metrics = ServerMetrics()

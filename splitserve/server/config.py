@@ -8,6 +8,8 @@ from splitserve.config import EngineConfig
 from splitserve.flags import flag, flags_within
 from splitserve.httpd.limits import HTTPLimits
 from splitserve.protocol.cache_salt import check_isolation
+from splitserve.protocol.prompts import (
+    check_template_file, template_file_field, trust_templates_field)
 from splitserve.protocol.roles import WORKER_ROLES
 from splitserve.trust import new_instance_id
 
@@ -27,6 +29,10 @@ class ServerConfig:
     max_body_bytes: int = field(default=64 << 20, metadata=flag(
         "--max-body-bytes", "larger request bodies get 413"))
     tokenizer_threads: int = 2
+    # protocol/prompts.py: the chat template of every chat request, and whether a request
+    # may bring its own (protocol/openai_fields.refuse_request_template)
+    chat_template: str | None = template_file_field()
+    trust_request_chat_template: bool = trust_templates_field()
     engine_start_timeout: float = 600.0
     # Requests waiting for the engine (submitted, not running) past which new ones get 503 +
     # Retry-After instead of a place in an unbounded queue. Far above what the benchmarks
@@ -75,6 +81,7 @@ class ServerConfig:
         if not self.engine_stall_seconds > 0:
             raise ValueError("engine_stall_seconds must be positive")
         check_isolation(self.cache_isolation, self.api_key)
+        check_template_file(self.chat_template)
 
     @property
     def log_prefix(self) -> str:

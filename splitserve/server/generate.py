@@ -23,6 +23,7 @@ from splitserve.protocol.internal_api import SENT_AT_HEADER
 from splitserve.protocol.openai import (
     DONE, ChatCompletionRequest, CompletionRequest, EchoPrompt, ResponseAccumulator,
     StreamEncoder, decode_chat_request, decode_completion_request, response_id, sse_error)
+from splitserve.protocol.openai_fields import UnknownFields, refuse_request_template
 from splitserve.protocol.prompts import chat_prompt, encode_prompt
 from splitserve.sampling_params import SamplingParams
 from splitserve.server.admission import (
@@ -55,12 +56,13 @@ class GenerateHandlers:
     def __init__(self, server):
         self.server = server          # server.app.WorkerServer: engine, tokenizer, metrics
         self.in_flight = 0
+        self.unknown = UnknownFields(server.config.log_prefix)   # warned once per name
 
     @_counted
     async def completions(self, request: Request) -> Response | ChunkedStream:
         arrival = _arrival(request, self.server.gate)
         self.server.admit()
-        req = decode_completion_request(request.body)
+        req = decode_completion_request(request.body, self.unknown)
         self._internal_only(request, req)
         self.server.check_model(req.model)
         params = req.sampling_params()
@@ -76,7 +78,8 @@ class GenerateHandlers:
     async def chat(self, request: Request) -> Response | ChunkedStream:
         arrival = _arrival(request, self.server.gate)
         self.server.admit()
-        req = decode_chat_request(request.body)
+        req = decode_chat_request(request.body, self.unknown)
+        refuse_request_template(req.chat_template, self.server.config.trust_request_chat_template)
         self._internal_only(request, req)
         self.server.check_model(req.model)
         params = req.sampling_params()
@@ -109,8 +112,9 @@ class GenerateHandlers:
         items, tok = req.prompts(), self.server.tokenizer
         if isinstance(items[0], str):
             max_len = self.server.engine.ready.max_model_len
+            special = req.add_special_tokens
             prompts = await self.server.in_pool(
-                lambda: [encode_prompt(tok, p, max_len, "prompt") for p in items])
+                lambda: [encode_prompt(tok, p, max_len, "prompt", special) for p in items])
             return prompts, items
         return [PromptTokens.from_list(ids) for ids in items], None
 

@@ -58,6 +58,33 @@ def test_disaggregated_equals_aggregated(cluster, path, body):
     assert gen_m["splitserve_gen_preprocessing_seconds_count"] >= 2
 
 
+def test_request_fields_hold_through_the_split(cluster):
+    """continue_final_message, chat echo and continuous usage: the disaggregated answer is
+    the aggregated one; a refused field is the same 400 from the orchestrator."""
+    ctx, gen, orch = cluster
+    path = "/v1/chat/completions"
+    body = {**CHAT, "messages": [*CHAT["messages"], {"role": "assistant", "content": "Once"}],
+            "continue_final_message": True, "add_generation_prompt": False, "echo": True}
+    _, want = post(gen.url + path, body)
+    status, got = post(orch.url + path, body)
+    assert status == 200 and got["choices"][0]["message"] == want["choices"][0]["message"]
+    content = want["choices"][0]["message"]["content"]
+    assert content.startswith("Once") and len(content) > len("Once")
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    for max_tokens in (12, 1):      # GEN streams; CTX ends the request (the orchestrator's SSE)
+        events = stream(orch.url + path, {**body, "max_tokens": max_tokens,
+                                          "stream_options": options})
+        assert events[-1] == "[DONE]" and all("usage" in e for e in events[:-1])
+        text = "".join(c["delta"].get("content") or "" for e in events[:-1]
+                       for c in e["choices"])
+        assert text.startswith("Once") and (max_tokens == 1 or text == content)
+    for refused in ({"response_format": {"type": "json_object"}},
+                    {"chat_template": "{{ messages }}"}):   # not trusted by these workers
+        answers = [post(url + path, {**CHAT, **refused}) for url in (orch.url, gen.url)]
+        assert answers[0] == answers[1] and answers[0][0] == 400
+        assert answers[0][1]["error"]["param"] == next(iter(refused))
+
+
 def test_context_worker_finishes_short_requests(cluster):
     ctx, gen, orch = cluster
     before = metrics(gen.url)["splitserve_kv_transfer_seconds_count"]

@@ -61,9 +61,9 @@ def test_token_id_prompts_and_batches(worker, offline):
 
 
 def test_streaming_equals_non_streaming(worker):
-    body = {"model": "tiny-random", "prompt": "Hello there", "max_tokens": 10, "temperature": 0,
-            "stream_options": {"include_usage": True}}
-    events = stream(worker.url + "/v1/completions", body)
+    body = {"model": "tiny-random", "prompt": "Hello there", "max_tokens": 10, "temperature": 0}
+    events = stream(worker.url + "/v1/completions",
+                    {**body, "stream_options": {"include_usage": True}})
     assert events[-1] == "[DONE]"
     usage = events[-2]["usage"]
     text = "".join(c["text"] for e in events[:-2] for c in e["choices"])

@@ -40,7 +40,8 @@ def _built_in_pool(tokens: int) -> bool:
         return fn()
     server = SimpleNamespace(engine=_Engine(tokens), token_text=str, model_name="tiny",
                              metrics=ServerMetrics(), in_pool=in_pool, gate=Gate(None, None),
-                             isolation=CacheIsolation("none", b"k"))
+                             isolation=CacheIsolation("none", b"k"),
+                             config=SimpleNamespace(log_prefix=""))
     req = decode_chat_request(json.dumps({"messages": CHAT, "logprobs": True, "top_logprobs": 20,
                                           "max_tokens": tokens}).encode())
     http = SimpleNamespace(header=lambda name: None)
