@@ -107,11 +107,23 @@ def orchestrator_config(args):
     overrides["api_key"] = tuple(args.api_key or config.api_key or envs.api_keys())
     if args.cache_isolation is not None:
         overrides["cache_isolation"] = args.cache_isolation
+    if args.disable_log_requests:
+        overrides["disable_log_requests"] = True
     overrides["internal_secret"] = (args.internal_secret or config.internal_secret
                                     or envs.internal_secret())
     config = replace(config, **overrides)
     warn_if_open("orch", config.host, config.api_key)
     return config
+
+
+def _port_refused(log_prefix: str, host: str, port: int) -> bool:
+    """Logs, in one line, why the server cannot listen on host:port (before it loads a
+    model or starts a worker): True then."""
+    from splitserve.listen import port_in_use
+    problem = port_in_use(host, port)
+    if problem is not None:
+        logging.getLogger(__name__).error("%s: %s", log_prefix, problem)
+    return problem is not None
 
 
 def _bad_config(command: str, exc: Exception) -> None:
@@ -165,6 +177,8 @@ def _serve(args) -> int:
         config = server_config(args, plan.engine_threads)
     except ValueError as exc:
         _bad_config("serve", exc)
+    if _port_refused("%s:%d" % (args.role, args.port), config.host, config.port):
+        return 1
     # The resolved dtype is logged once the engine is ready ("serving <model> (<dtype>)"):
     # resolving auto needs torch, which only the engine process loads.
     logging.getLogger(__name__).info("%s:%d: %s", args.role, args.port,
@@ -193,6 +207,8 @@ def _orchestrator(args) -> int:
     if not config.internal_secret:
         logging.getLogger("splitserve.orchestrator").error("orch: %s", NO_SECRET)
         return 2
+    if _port_refused("orch", config.host, config.port):
+        return 1
     if config.processes > 1:
         asyncio.run(fleet.run_fleet(config, args.log_level))
     else:
@@ -239,6 +255,9 @@ def build_parser() -> argparse.ArgumentParser:
     orch.add_argument("--port", type=int, default=None)
     orch.add_argument("--max-in-flight", type=int, default=None,
                       help="requests served at once; past it, 503 at once (overrides the YAML)")
+    orch.add_argument("--disable-log-requests", action="store_true",
+                      help="no log line per finished request (overrides the YAML's "
+                           "disable_log_requests)")
     _add_secret_arguments(orch, "the cluster", isolation_default=None)
     orch.set_defaults(func=_orchestrator)
 

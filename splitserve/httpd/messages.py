@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from splitserve.httpd.request_id import HEADER, request_id
+
 if TYPE_CHECKING:
     from splitserve.httpd.protocol import HTTPConnection
 
@@ -22,10 +24,11 @@ _date = [0, b""]   # [second, b"Date: ...\r\n"]: formatted once a second, not pe
 
 
 def response_head(status: int, framing: bytes, headers: dict[str, str] | None,
-                  keep_alive: bool) -> bytes:
+                  keep_alive: bool, rid: str | None = None) -> bytes:
     """Everything before a response's body: the status line, Date and Server, `framing`
-    (Content-Type and Content-Length, or Transfer-Encoding), the handler's headers, and
-    Connection: close when the connection ends after this response."""
+    (Content-Type and Content-Length, or Transfer-Encoding), the handler's headers, the
+    request's X-Request-Id (`rid`, plain characters only: request_id.py), and Connection:
+    close when the connection ends after this response."""
     now = int(time.time())
     if now != _date[0]:
         stamp = formatdate(now, usegmt=True).encode()
@@ -33,14 +36,18 @@ def response_head(status: int, framing: bytes, headers: dict[str, str] | None,
     extra = b""
     if headers:
         extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items()).encode("latin-1")
+    if rid is not None:
+        extra += b"X-Request-Id: %s\r\n" % rid.encode("ascii")
     return b"HTTP/1.1 %d %s\r\n%s%s%s%s\r\n" % (
         status, _REASONS.get(status, b"Unknown"), _date[1], framing, extra,
         b"" if keep_alive else b"Connection: close\r\n")
 
 
 class Request:
+    """`outcome`: what the handler tells the request's log line (tokens, TTFT), or None."""
+
     __slots__ = ("method", "path", "query", "raw_headers", "body", "keep_alive", "conn",
-                 "content_length")
+                 "content_length", "_id", "outcome")
 
     def __init__(self, method: str, target: bytes, raw_headers: list[tuple[bytes, bytes]],
                  body: bytes, keep_alive: bool, conn: HTTPConnection,
@@ -50,6 +57,16 @@ class Request:
         self.raw_headers, self.body, self.keep_alive = raw_headers, body, keep_alive
         self.conn = conn
         self.content_length = content_length    # as declared; None: chunked or none
+        self._id: str | None = None
+        self.outcome = None
+
+    @property
+    def id(self) -> str:
+        """Its X-Request-Id: the client's if plain, else a new one (request_id.py); made
+        once, when first asked for, and echoed on its answer."""
+        if self._id is None:
+            self._id = request_id(self.header(HEADER))
+        return self._id
 
     def header(self, name: str) -> str | None:
         """The first value of header `name` (any case), or None. Headers stay raw bytes until
@@ -62,7 +79,7 @@ class Request:
 
     def stream(self, headers: dict[str, str], status: int = 200) -> ChunkedStream:
         """Send the status line and headers now; the body follows in chunks."""
-        return ChunkedStream(self.conn, status, headers, self.keep_alive)
+        return ChunkedStream(self.conn, status, headers, self.keep_alive, self.id)
 
 
 class Response:
@@ -75,11 +92,12 @@ class Response:
         self.status, self.body, self.content_type = status, body, content_type
         self.headers = headers
 
-    def encode(self, keep_alive: bool, head_only: bool = False) -> bytes:
-        """head_only: the answer to a HEAD request, the headers a GET would get and no body."""
+    def encode(self, keep_alive: bool, head_only: bool = False, rid: str | None = None) -> bytes:
+        """head_only: the answer to a HEAD request, the headers a GET would get and no body;
+        rid: the X-Request-Id of the request it answers."""
         framing = b"Content-Type: %s\r\nContent-Length: %d\r\n" % (
             self.content_type.encode("latin-1"), len(self.body))
-        head = response_head(self.status, framing, self.headers, keep_alive)
+        head = response_head(self.status, framing, self.headers, keep_alive, rid)
         return head if head_only else head + self.body
 
 
@@ -95,13 +113,13 @@ class ChunkedStream:
     __slots__ = ("conn", "status", "ended")
 
     def __init__(self, conn: HTTPConnection, status: int, headers: dict[str, str],
-                 keep_alive: bool):
+                 keep_alive: bool, rid: str | None = None):
         if conn.transport.is_closing():
             raise ConnectionResetError("the client closed the connection")
         self.conn, self.status, self.ended = conn, status, False
         conn.stream = self
         conn.transport.write(response_head(status, b"Transfer-Encoding: chunked\r\n", headers,
-                                           keep_alive))
+                                           keep_alive, rid))
 
     async def write(self, data: bytes) -> None:
         if not data:

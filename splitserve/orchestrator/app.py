@@ -30,8 +30,10 @@ from splitserve.orchestrator.registry import (NOT_INTERNAL, PATHS, LocalMembersh
                                               RemoteMembership)
 from splitserve.protocol.cache_salt import CacheIsolation, derivation_key
 from splitserve.protocol.openai import error_body, status_error_body
+from splitserve.request_log import log_finished
 from splitserve.signals import wait_for_stop_signal
 from splitserve.trust import Gate
+from splitserve.version import __version__
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +74,7 @@ class Orchestrator:
             "/v1/completions": Route("POST", self.generate, body),
             "/v1/chat/completions": Route("POST", self.generate, body),
             "/v1/models": Route("GET", self.models, NO_BODY),
+            "/version": Route("GET", version, NO_BODY),
             "/health": Route("GET", self.health, NO_BODY),
             "/metrics": Route("GET", self.prometheus, NO_BODY),
             **{path: Route(ANY, self.internal, REGISTRATION_MAX_BODY) for path in PATHS},
@@ -118,11 +121,8 @@ class Orchestrator:
             relay.check_logprobs(request.body, body, request.path == "/v1/chat/completions")
             body = relay.salted(body, self.isolation.salt(body.get("cache_salt"),
                                                           self.gate.tenant(request.header)))
-            plan = await self.decider.plan(request, body, self.pools.gen.servers)
-            if plan.local:
-                route = "aggregated"
-            resp, served = await self.pools.serve(request, body, plan.local, t0, plan.info)
-            route, status = served or route, resp.status
+            resp, route = await self._serve_one(request, body, t0)
+            status = resp.status
             return resp
         except InvalidRequestError as exc:
             status = 400
@@ -139,6 +139,16 @@ class Orchestrator:
             self.metrics.in_flight.dec()
             self.metrics.requests.labels(request.path, route, status).inc()
             self.metrics.e2e.observe(time.time() - t0)
+            if not self.config.disable_log_requests:
+                log_finished("orch", request, status, t0, route)
+
+    async def _serve_one(self, request, body: dict, t0: float | None = None):
+        """(the answer, the route it took) of one request served whole on the pools,
+        planned by decide.py."""
+        plan = await self.decider.plan(request, body, self.pools.gen.servers)
+        resp, served = await self.pools.serve(request, body, plan.local, t0 or time.time(),
+                                              plan.info)
+        return resp, served or ("aggregated" if plan.local else "disagg")
 
     def mark_down(self, url: str) -> None:
         """A worker is known to be gone (its process exited): route around it at once."""
@@ -197,6 +207,10 @@ class Orchestrator:
         if self._registry_task is not None:
             self._registry_task.cancel()
         await self.pools.stop()
+
+
+async def version(request: Request) -> Response:
+    return Response(orjson.dumps({"version": __version__}))
 
 
 def _error(status: int, message: str, type: str = "invalid_request_error",

@@ -70,6 +70,8 @@ class ClusterConfig:
     # none | api_key: a client shares prefix-cache blocks only with clients of its own key
     # (protocol/cache_salt.py); the effective salt rides each body sent to a worker.
     cache_isolation: str = "none"
+    # No log line per finished request (`--disable-log-requests`).
+    disable_log_requests: bool = False
 
     def __post_init__(self):
         if self.token_relay not in RELAY_MODES:

@@ -154,11 +154,11 @@ class Pools:
             server = await tries.pick(pool, info)
             try:
                 if gen_data is not None:
-                    tap, carry_on = (self._migration(request.path, body, info,
+                    tap, carry_on = (self._migration(request, body, info,
                                                      [*tries.failed["gen"], server])
                                      if migratable else (None, None))
                     return await self._generate_on(server, request, gen_data, tap, carry_on), None
-                status, answer = await self._prefill(server, request.path, ctx_data)
+                status, answer = await self._prefill(server, request, ctx_data)
                 params = _handoff(body, status, answer)
                 if params is None:
                     return stream.ctx_answer(body, status, answer), "ctx_only"
@@ -175,21 +175,21 @@ class Pools:
                     f"the {pool.role} worker did not answer within "
                     f"{self.config.first_byte_timeout:g} s", 504, None) from None
 
-    def _migration(self, path: str, body: dict, info: RequestInfo, avoid: list):
+    def _migration(self, request, body: dict, info: RequestInfo, avoid: list):
         """(tap, carry_on) for stream.forward: a stream whose GEN breaks goes on elsewhere."""
         tap = migrate.StreamTap()
 
         async def carry_on(out, problem: str) -> str | None:
-            return await migrate.carry_on(self, path, out, tap, body, info, avoid, problem)
+            return await migrate.carry_on(self, request, out, tap, body, info, avoid, problem)
         return tap, carry_on
 
-    async def _prefill(self, server: Server, path: str, data: bytes) -> tuple[int, dict]:
+    async def _prefill(self, server: Server, request, data: bytes) -> tuple[int, dict]:
         server.in_flight += 1
         t = time.time()
         try:
-            return await upstream.post_json(self.session, server.url + path,
+            return await upstream.post_json(self.session, server.url + request.path,
                                             upstream.creds_of(server), data,
-                                            self.config.first_byte_timeout)
+                                            self.config.first_byte_timeout, request.id)
         finally:
             server.in_flight -= 1
             self.metrics.ctx.observe(time.time() - t)
@@ -201,7 +201,7 @@ class Pools:
             t = time.time()
             held = await upstream.open_generation(self.session, server.url + request.path,
                                                   upstream.creds_of(server), data,
-                                                  self.config.first_byte_timeout)
+                                                  self.config.first_byte_timeout, request.id)
             self.metrics.gen_first_byte.observe(time.time() - t)
             try:
                 resp = await stream.forward(request, held, self.config.idle_timeout, tap, carry_on)

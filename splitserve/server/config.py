@@ -56,6 +56,11 @@ class ServerConfig:
     register: str | None = field(default=None, metadata=flag(
         "--register", "join this orchestrator's pools while serving; leave on a clean stop",
         metavar="ORCH_URL"))
+    disable_log_requests: bool = field(default=False, metadata=flag(
+        "--disable-log-requests", "no log line per finished request (id, route, status, "
+                                  "tokens, TTFT)"))
+    disable_log_stats: bool = field(default=False, metadata=flag(
+        "--disable-log-stats", "no throughput line every 10 s while there is traffic"))
     # This worker's instance id (trust.py): made with the serve process's config, so its
     # front-ends (--api-server-count), which get this config, share it; a restarted worker
     # has a new one.

@@ -1,0 +1,129 @@
+"""What operators expect of an OpenAI server: X-Request-Id on every answer and every hop,
+one log line per finished request (none for a client without the key), throughput lines
+while there is traffic, /version, and a busy port said in one line before anything loads."""
+
+import asyncio
+import logging
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from server_utils import UpCluster, call
+from splitserve.orchestrator.app import Orchestrator
+from splitserve.orchestrator.cluster import ClusterConfig, PoolConfig
+from splitserve.request_log import Totals, log_throughput
+from splitserve.version import __version__
+
+KEY = "sk-operations-test"
+
+
+async def _exchange(raw: bytes, **config) -> bytes:
+    """One request to an in-process orchestrator with no worker behind (127.0.0.1:9
+    refuses) -> the answer's head."""
+    nowhere = PoolConfig(("http://127.0.0.1:9",))
+    orch = Orchestrator(ClusterConfig(nowhere, nowhere, port=0, internal_secret="s",
+                                      connect_timeout=0.5, **config))
+    await orch.start()
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", orch.http.port)
+        writer.write(raw)
+        head = await reader.readuntil(b"\r\n\r\n")
+        writer.close()
+        return head
+    finally:
+        await orch.stop()
+
+
+def _request(path: str, rid: str | None = None, key: str | None = None) -> bytes:
+    body = b'{"prompt": "hi", "max_tokens": 1}'
+    headers = b"".join([b"X-Request-Id: %s\r\n" % rid.encode() if rid else b"",
+                        b"Authorization: Bearer %s\r\n" % key.encode() if key else b""])
+    return (b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n%s\r\n%s"
+            % (path.encode(), len(body), headers, body))
+
+
+def _finished(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "splitserve.requests"]
+
+
+def test_a_finished_request_is_one_line_under_its_id(caplog):
+    with caplog.at_level(logging.INFO, logger="splitserve.requests"):
+        head = asyncio.run(_exchange(_request("/v1/completions", "abc-123")))
+    assert b" 503 " in head.split(b"\r\n")[0] and b"X-Request-Id: abc-123\r\n" in head
+    lines = _finished(caplog)
+    assert len(lines) == 1 and "request abc-123 /v1/completions 503" in lines[0], lines
+
+
+def test_no_line_for_a_client_without_the_key_and_none_when_turned_off(caplog):
+    with caplog.at_level(logging.INFO, logger="splitserve.requests"):
+        head = asyncio.run(_exchange(_request("/v1/completions", "nokey"), api_key=(KEY,)))
+        assert b" 401 " in head.split(b"\r\n")[0] and b"X-Request-Id: nokey\r\n" in head
+        asyncio.run(_exchange(_request("/v1/completions", "quiet", KEY), api_key=(KEY,),
+                              disable_log_requests=True))
+    assert _finished(caplog) == []
+
+
+def test_throughput_lines_only_while_there_is_traffic(caplog):
+    counts = iter([Totals(0, 0, 0, 0, 0.0)] * 3 + [Totals(100, 50, 2, 1, 0.25)] * 9)
+
+    async def run():
+        task = asyncio.create_task(log_throughput("gen:1", lambda: next(counts), 0.05))
+        await asyncio.sleep(0.5)
+        task.cancel()
+    with caplog.at_level(logging.INFO, logger="splitserve.requests"):
+        asyncio.run(run())
+    lines = [m for m in _finished(caplog) if "throughput" in m]
+    assert lines and "Running: 2 reqs, Waiting: 1 reqs, KV cache usage: 25.0%" in lines[0]
+    assert "Avg prompt throughput: 0.0" not in lines[0]
+    # the counts stop moving but requests still run: the lines go on, at 0 tokens/s
+    assert "Avg generation throughput: 0.0 tokens/s" in lines[-1]
+
+
+@pytest.mark.parametrize("command", [["serve", "--model", "tiny-random"],
+                                     ["up", "--model", "tiny-random"]])
+def test_a_busy_port_is_one_line_before_anything_loads(command):
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        t = time.monotonic()
+        proc = subprocess.run([sys.executable, "-m", "splitserve.cli", *command, "--port",
+                               str(port)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and time.monotonic() - t < 20
+    errors = [line for line in proc.stderr.splitlines() if "ERROR" in line]
+    assert len(errors) == 1 and f"port {port} on 127.0.0.1 is already in use" in errors[0]
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.fixture(scope="module")
+def up(tmp_path_factory):
+    log = tmp_path_factory.mktemp("ops") / "up.log"
+    cluster = UpCluster("--model", "tiny-random", "--dtype", "float32", log=log,
+                        log_level="INFO")
+    yield cluster, log
+    cluster.close()
+
+
+def test_the_request_id_reaches_every_worker_it_touches(up):
+    cluster, log = up
+    body = {"model": "tiny-random", "prompt": "The sky is", "max_tokens": 4,
+            "temperature": 0, "ignore_eos": True}
+    status, answer, headers = call("POST", cluster.url + "/v1/completions", body,
+                                   {"X-Request-Id": "trace-7"})
+    assert status == 200 and headers["X-Request-Id"] == "trace-7", answer
+    time.sleep(0.5)     # the workers' lines reach the log
+    lines = [line for line in log.read_text().splitlines() if "request trace-7 " in line]
+    by = {line.split(": request")[0].split()[-1] for line in lines}
+    assert "orch" in by and any(b.startswith("ctx:") for b in by) and \
+        any(b.startswith("gen:") for b in by), lines
+    gen_line = next(line for line in lines if " gen:" in line)
+    assert "completion 4 tokens" in gen_line and "TTFT" in gen_line, gen_line
+
+
+def test_version_on_the_orchestrator(up):
+    cluster, _ = up
+    status, body, _ = call("GET", cluster.url + "/version")
+    assert status == 200 and body == {"version": __version__}
