@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from server_utils import UpCluster, call
+from server_utils import UpCluster, call, post
 from splitserve.orchestrator.app import Orchestrator
 from splitserve.orchestrator.cluster import ClusterConfig, PoolConfig
 from splitserve.request_log import Totals, log_throughput
@@ -127,3 +127,4 @@ def test_version_on_the_orchestrator(up):
     cluster, _ = up
     status, body, _ = call("GET", cluster.url + "/version")
     assert status == 200 and body == {"version": __version__}
+    assert post(cluster.url + "/tokenize", {"prompt": "hi"})[0] == 200

@@ -21,7 +21,7 @@ from splitserve.httpd.connections import Standing
 from splitserve.httpd.limits import FD_HEADROOM, LISTEN_BACKLOG, raise_fd_limit
 from splitserve.httpd.router import ANY, NO_BODY, Route, Router
 from splitserve.httpd.server import Admission
-from splitserve.orchestrator import relay
+from splitserve.orchestrator import relay, split
 from splitserve.orchestrator.cluster import ClusterConfig
 from splitserve.orchestrator.decide import Decider
 from splitserve.orchestrator.metrics import OrchestratorMetrics
@@ -74,6 +74,8 @@ class Orchestrator:
             "/v1/completions": Route("POST", self.generate, body),
             "/v1/chat/completions": Route("POST", self.generate, body),
             "/v1/models": Route("GET", self.models, NO_BODY),
+            "/tokenize": Route("POST", self.forward, body),
+            "/detokenize": Route("POST", self.forward, body),
             "/version": Route("GET", version, NO_BODY),
             "/health": Route("GET", self.health, NO_BODY),
             "/metrics": Route("GET", self.prometheus, NO_BODY),
@@ -121,7 +123,12 @@ class Orchestrator:
             relay.check_logprobs(request.body, body, request.path == "/v1/chat/completions")
             body = relay.salted(body, self.isolation.salt(body.get("cache_salt"),
                                                           self.gate.tenant(request.header)))
-            resp, route = await self._serve_one(request, body, t0)
+            pieces = split.parts(request.body, body, request.path == "/v1/chat/completions")
+            if pieces is not None:
+                route = "split"
+                resp = await split.Fanout(request, body, self._serve_one).run(pieces)
+            else:
+                resp, route = await self._serve_one(request, body, t0)
             status = resp.status
             return resp
         except InvalidRequestError as exc:
@@ -142,9 +149,23 @@ class Orchestrator:
             if not self.config.disable_log_requests:
                 log_finished("orch", request, status, t0, route)
 
+    async def forward(self, request: Request) -> Response:
+        """/tokenize and /detokenize: a generation worker's answer (Pools.forward)."""
+        t0, status = time.time(), 500
+        try:
+            status, body = await self.pools.forward(request)
+            return Response(body, status)
+        except relay.UpstreamError as exc:
+            status = exc.status
+            return _error(exc.status, str(exc), "server_error", retry_after=exc.retry_after)
+        finally:
+            self.metrics.requests.labels(request.path, "forwarded", status).inc()
+            if not self.config.disable_log_requests:
+                log_finished("orch", request, status, t0, "forwarded")
+
     async def _serve_one(self, request, body: dict, t0: float | None = None):
-        """(the answer, the route it took) of one request served whole on the pools,
-        planned by decide.py."""
+        """(the answer, the route it took) of one request served whole on the pools: a
+        client's, or one part of a split one (split.py), planned by decide.py."""
         plan = await self.decider.plan(request, body, self.pools.gen.servers)
         resp, served = await self.pools.serve(request, body, plan.local, t0 or time.time(),
                                               plan.info)

@@ -175,6 +175,24 @@ class Pools:
                     f"the {pool.role} worker did not answer within "
                     f"{self.config.first_byte_timeout:g} s", 504, None) from None
 
+    async def forward(self, request) -> tuple[int, bytes]:
+        """(status, body) of a request a worker answers whole and that changes nothing
+        (/tokenize, /detokenize): the client's body as it came to a generation worker (it
+        checks it: its 400 is the answer), tried again elsewhere as a generation is."""
+        tries = Tries(self.config.max_retries, self.metrics.retries, self.probes)
+        while True:
+            server = await tries.pick(self.gen, RequestInfo())
+            try:
+                status, answer = await upstream.post_json(
+                    self.session, server.url + request.path, upstream.creds_of(server),
+                    request.body, self.config.first_byte_timeout, request.id)
+                return status, orjson.dumps(answer)
+            except upstream.Retry as exc:
+                tries.failed_on(self.gen, server, exc)
+            except upstream.TimedOut:
+                raise UpstreamError(f"the generation worker did not answer within "
+                                    f"{self.config.first_byte_timeout:g} s", 504, None) from None
+
     def _migration(self, request, body: dict, info: RequestInfo, avoid: list):
         """(tap, carry_on) for stream.forward: a stream whose GEN breaks goes on elsewhere."""
         tap = migrate.StreamTap()
