@@ -56,6 +56,13 @@ def _add_secret_arguments(p, what: str, isolation_default: str | None = "none") 
                         "variable: every local user can read a command line)")
 
 
+def add_allowed_origins_argument(p, more: str) -> None:
+    from splitserve.httpd.cors import parse_origins
+    p.add_argument("--allowed-origins", type=parse_origins, default=None,
+                   help="browser origins allowed cross-origin requests (CORS), "
+                        f"comma-separated, * for any {more}")
+
+
 def add_api_key_arguments(p, help: str, isolation_default: str | None = "none") -> None:
     """--api-key (vLLM's spelling: several after one flag, or the flag again) and
     --cache-isolation. isolation_default None: the cluster file's, else none."""
@@ -109,6 +116,8 @@ def orchestrator_config(args):
         overrides["cache_isolation"] = args.cache_isolation
     if args.disable_log_requests:
         overrides["disable_log_requests"] = True
+    if args.allowed_origins is not None:
+        overrides["allowed_origins"] = args.allowed_origins
     overrides["internal_secret"] = (args.internal_secret or config.internal_secret
                                     or envs.internal_secret())
     config = replace(config, **overrides)
@@ -255,6 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
     orch.add_argument("--port", type=int, default=None)
     orch.add_argument("--max-in-flight", type=int, default=None,
                       help="requests served at once; past it, 503 at once (overrides the YAML)")
+    add_allowed_origins_argument(orch, "(overrides the YAML's allowed_origins)")
     orch.add_argument("--disable-log-requests", action="store_true",
                       help="no log line per finished request (overrides the YAML's "
                            "disable_log_requests)")

@@ -128,3 +128,35 @@ def test_version_on_the_orchestrator(up):
     status, body, _ = call("GET", cluster.url + "/version")
     assert status == 200 and body == {"version": __version__}
     assert post(cluster.url + "/tokenize", {"prompt": "hi"})[0] == 200
+
+
+PREFLIGHT = (b"OPTIONS /v1/completions HTTP/1.1\r\nHost: x\r\nOrigin: %s\r\n"
+             b"Access-Control-Request-Method: POST\r\n"
+             b"Access-Control-Request-Headers: authorization, content-type\r\n\r\n")
+
+
+def _headers(head: bytes) -> dict[str, str]:
+    lines = head.decode("latin-1").split("\r\n")[1:]
+    return {k.lower(): v for k, _, v in (line.partition(": ") for line in lines if line)}
+
+
+def test_cors_answers_allowed_origins_only():
+    allowed = dict(api_key=(KEY,), allowed_origins=("https://app.example",))
+    head = asyncio.run(_exchange(PREFLIGHT % b"https://app.example", **allowed))
+    headers = _headers(head)
+    assert b" 204 " in head.split(b"\r\n")[0], head     # before the key check
+    assert headers["access-control-allow-origin"] == "https://app.example"
+    assert headers["access-control-allow-headers"] == "authorization, content-type"
+    assert "POST" in headers["access-control-allow-methods"]
+    for origin, config in ((b"https://evil.example", allowed),
+                           (b"https://app.example", dict(api_key=(KEY,)))):   # default: none
+        head = asyncio.run(_exchange(PREFLIGHT % origin, **config))
+        assert b" 204 " not in head.split(b"\r\n")[0]
+        assert "access-control-allow-origin" not in _headers(head)
+    # an answer to the page's request (here a 503: no worker) lets it read the answer
+    raw = _request("/v1/completions", "c1", KEY).replace(
+        b"Host: x\r\n", b"Host: x\r\nOrigin: https://app.example\r\n")
+    headers = _headers(asyncio.run(_exchange(raw, **allowed)))
+    assert headers["access-control-allow-origin"] == "https://app.example"
+    assert "X-Request-Id" in headers["access-control-expose-headers"]
+    assert headers["x-request-id"] == "c1"

@@ -24,20 +24,19 @@ _date = [0, b""]   # [second, b"Date: ...\r\n"]: formatted once a second, not pe
 
 
 def response_head(status: int, framing: bytes, headers: dict[str, str] | None,
-                  keep_alive: bool, rid: str | None = None) -> bytes:
+                  keep_alive: bool, echo: dict[str, str] | None = None) -> bytes:
     """Everything before a response's body: the status line, Date and Server, `framing`
-    (Content-Type and Content-Length, or Transfer-Encoding), the handler's headers, the
-    request's X-Request-Id (`rid`, plain characters only: request_id.py), and Connection:
-    close when the connection ends after this response."""
+    (Content-Type and Content-Length, or Transfer-Encoding), the handler's headers, those
+    every answer to its request carries (`echo`: Request.echo), and Connection: close when
+    the connection ends after this response."""
     now = int(time.time())
     if now != _date[0]:
         stamp = formatdate(now, usegmt=True).encode()
         _date[:] = now, b"Date: %s\r\nServer: splitserve\r\n" % stamp
     extra = b""
-    if headers:
-        extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items()).encode("latin-1")
-    if rid is not None:
-        extra += b"X-Request-Id: %s\r\n" % rid.encode("ascii")
+    if headers or echo:
+        lines = [*(headers or {}).items(), *(echo or {}).items()]
+        extra = "".join(f"{k}: {v}\r\n" for k, v in lines).encode("latin-1")
     return b"HTTP/1.1 %d %s\r\n%s%s%s%s\r\n" % (
         status, _REASONS.get(status, b"Unknown"), _date[1], framing, extra,
         b"" if keep_alive else b"Connection: close\r\n")
@@ -68,6 +67,15 @@ class Request:
             self._id = request_id(self.header(HEADER))
         return self._id
 
+    def echo(self) -> dict[str, str]:
+        """The headers every answer to it carries: its X-Request-Id, and for a browser of
+        an allowed origin the CORS headers (cors.py)."""
+        cors = self.conn.server.cors if self.conn is not None else None
+        echoed = {HEADER: self.id}
+        if cors is not None:
+            echoed.update(cors.echo(self))
+        return echoed
+
     def header(self, name: str) -> str | None:
         """The first value of header `name` (any case), or None. Headers stay raw bytes until
         asked for: a request usually needs one or two of them."""
@@ -79,7 +87,7 @@ class Request:
 
     def stream(self, headers: dict[str, str], status: int = 200) -> ChunkedStream:
         """Send the status line and headers now; the body follows in chunks."""
-        return ChunkedStream(self.conn, status, headers, self.keep_alive, self.id)
+        return ChunkedStream(self.conn, status, headers, self.keep_alive, self.echo())
 
 
 class Response:
@@ -92,12 +100,13 @@ class Response:
         self.status, self.body, self.content_type = status, body, content_type
         self.headers = headers
 
-    def encode(self, keep_alive: bool, head_only: bool = False, rid: str | None = None) -> bytes:
+    def encode(self, keep_alive: bool, head_only: bool = False,
+               echo: dict[str, str] | None = None) -> bytes:
         """head_only: the answer to a HEAD request, the headers a GET would get and no body;
-        rid: the X-Request-Id of the request it answers."""
+        echo: the headers every answer to its request carries (Request.echo)."""
         framing = b"Content-Type: %s\r\nContent-Length: %d\r\n" % (
             self.content_type.encode("latin-1"), len(self.body))
-        head = response_head(self.status, framing, self.headers, keep_alive, rid)
+        head = response_head(self.status, framing, self.headers, keep_alive, echo)
         return head if head_only else head + self.body
 
 
@@ -113,13 +122,13 @@ class ChunkedStream:
     __slots__ = ("conn", "status", "ended")
 
     def __init__(self, conn: HTTPConnection, status: int, headers: dict[str, str],
-                 keep_alive: bool, rid: str | None = None):
+                 keep_alive: bool, echo: dict[str, str] | None = None):
         if conn.transport.is_closing():
             raise ConnectionResetError("the client closed the connection")
         self.conn, self.status, self.ended = conn, status, False
         conn.stream = self
         conn.transport.write(response_head(status, b"Transfer-Encoding: chunked\r\n", headers,
-                                           keep_alive, rid))
+                                           keep_alive, echo))
 
     async def write(self, data: bytes) -> None:
         if not data:

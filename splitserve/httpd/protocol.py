@@ -33,7 +33,6 @@ from splitserve.httpd.connections import Standing
 from splitserve.httpd.ending import CONTINUE, Ending
 from splitserve.httpd.messages import ChunkedStream, Request, Response
 from splitserve.httpd.reader import BODY, Refusal, RequestReader
-from splitserve.httpd.request_id import HEADER
 
 if TYPE_CHECKING:
     from splitserve.httpd.server import HTTPServer
@@ -154,7 +153,7 @@ class HTTPConnection(RequestReader, Ending, asyncio.Protocol):
         connection (connections.py), a refusal is raised; -> the body it may send."""
         verdict = self.server.check_head(request)
         if isinstance(verdict, Response):
-            verdict.headers = {**(verdict.headers or {}), HEADER: request.id}
+            verdict.headers = {**(verdict.headers or {}), **request.echo()}
             raise Refusal(verdict.status, "", verdict)
         standing, max_body = verdict
         connections = self.server.connections
@@ -217,7 +216,7 @@ class HTTPConnection(RequestReader, Ending, asyncio.Protocol):
         stream, self.stream = self.stream, None
         if stream is None:
             self.transport.write(response.encode(keep_alive, request.method == "HEAD",
-                                                 request.id))
+                                                 request.echo()))
         else:
             if response is not stream:   # failed after its head went out: nothing else to say
                 logger.warning("%s: %s %s failed while streaming (%d)", self.server.log_prefix,

@@ -89,7 +89,8 @@ class Orchestrator:
                            self.max_in_flight, config.max_in_flight)
         self.http = HTTPServer(self.router.dispatch, body, "orch", limits=limits,
                                error_body=status_error_body, check_head=self.check_head,
-                               other_fds=self.max_in_flight)
+                               other_fds=self.max_in_flight,
+                               allowed_origins=config.allowed_origins)
         self.gc = ServingGC()
         self.in_flight = 0
 

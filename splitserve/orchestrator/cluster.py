@@ -7,6 +7,7 @@ from typing import NamedTuple
 
 import yaml
 
+from splitserve.httpd.cors import parse_origins
 from splitserve.protocol.cache_salt import check_isolation
 from splitserve.protocol.disagg import RELAY_MODES
 from splitserve.protocol.internal_api import reported_load
@@ -70,6 +71,8 @@ class ClusterConfig:
     # none | api_key: a client shares prefix-cache blocks only with clients of its own key
     # (protocol/cache_salt.py); the effective salt rides each body sent to a worker.
     cache_isolation: str = "none"
+    # Browser origins allowed cross-origin requests (httpd/cors.py); `*`: any.
+    allowed_origins: tuple[str, ...] = ()
     # No log line per finished request (`--disable-log-requests`).
     disable_log_requests: bool = False
 
@@ -111,6 +114,8 @@ class ClusterConfig:
         unknown = set(raw) - {f for f in cls.__dataclass_fields__}
         if unknown:
             raise ValueError(f"{where}: unknown keys {sorted(unknown)}")
+        if "allowed_origins" in raw:     # a list, or one comma-separated string
+            raw["allowed_origins"] = parse_origins(raw["allowed_origins"])
         if "api_key" in raw:
             try:
                 raw["api_key"] = api_keys(raw["api_key"])

@@ -148,7 +148,8 @@ def cluster_config(args, secret_env: dict[str, str]) -> ClusterConfig:
                            max_in_flight=args.max_in_flight,
                            first_byte_timeout=args.first_byte_timeout,
                            idle_timeout=args.idle_timeout, model=args.model or DEFAULT_MODEL,
-                           disable_log_requests=args.disable_log_requests)
+                           disable_log_requests=args.disable_log_requests,
+                           allowed_origins=args.allowed_origins or ())
     warn_if_open("up", config.host, config.api_key)
     return config
 

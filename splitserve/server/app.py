@@ -92,7 +92,8 @@ class WorkerServer:
                                                            engine=self.engine), NO_BODY),
         }, status_error_body)
         self.http = HTTPServer(self.dispatch, body, self.log_prefix, limits=config.http,
-                               error_body=status_error_body, check_head=self.check_head)
+                               error_body=status_error_body, check_head=self.check_head,
+                               allowed_origins=config.allowed_origins)
 
     async def in_pool(self, fn):
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn)
