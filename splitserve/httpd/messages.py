@@ -24,19 +24,18 @@ _date = [0, b""]   # [second, b"Date: ...\r\n"]: formatted once a second, not pe
 
 
 def response_head(status: int, framing: bytes, headers: dict[str, str] | None,
-                  keep_alive: bool, echo: dict[str, str] | None = None) -> bytes:
+                  keep_alive: bool, echo: bytes = b"") -> bytes:
     """Everything before a response's body: the status line, Date and Server, `framing`
-    (Content-Type and Content-Length, or Transfer-Encoding), the handler's headers, those
-    every answer to its request carries (`echo`: Request.echo), and Connection: close when
-    the connection ends after this response."""
+    (Content-Type and Content-Length, or Transfer-Encoding), the handler's headers, the
+    header lines every answer to its request carries (`echo`: Request.echo), and
+    Connection: close when the connection ends after this response."""
     now = int(time.time())
     if now != _date[0]:
         stamp = formatdate(now, usegmt=True).encode()
         _date[:] = now, b"Date: %s\r\nServer: splitserve\r\n" % stamp
-    extra = b""
-    if headers or echo:
-        lines = [*(headers or {}).items(), *(echo or {}).items()]
-        extra = "".join(f"{k}: {v}\r\n" for k, v in lines).encode("latin-1")
+    extra = echo
+    if headers:
+        extra += "".join(f"{k}: {v}\r\n" for k, v in headers.items()).encode("latin-1")
     return b"HTTP/1.1 %d %s\r\n%s%s%s%s\r\n" % (
         status, _REASONS.get(status, b"Unknown"), _date[1], framing, extra,
         b"" if keep_alive else b"Connection: close\r\n")
@@ -67,13 +66,14 @@ class Request:
             self._id = request_id(self.header(HEADER))
         return self._id
 
-    def echo(self) -> dict[str, str]:
-        """The headers every answer to it carries: its X-Request-Id, and for a browser of
-        an allowed origin the CORS headers (cors.py)."""
+    def echo(self) -> bytes:
+        """The header lines every answer to it carries: its X-Request-Id (plain characters
+        only), and for a browser of an allowed origin the CORS headers (cors.py)."""
+        echoed = b"X-Request-Id: %s\r\n" % self.id.encode("ascii")
         cors = self.conn.server.cors if self.conn is not None else None
-        echoed = {HEADER: self.id}
         if cors is not None:
-            echoed.update(cors.echo(self))
+            echoed += "".join(f"{k}: {v}\r\n" for k, v in cors.echo(self).items()).encode(
+                "latin-1")
         return echoed
 
     def header(self, name: str) -> str | None:
@@ -93,20 +93,21 @@ class Request:
 class Response:
     """A whole response: written with one transport.write (status line, headers, body)."""
 
-    __slots__ = ("status", "body", "content_type", "headers")
+    __slots__ = ("status", "body", "content_type", "headers", "echo")
 
     def __init__(self, body: bytes = b"", status: int = 200,
                  content_type: str = "application/json", headers: dict[str, str] | None = None):
         self.status, self.body, self.content_type = status, body, content_type
         self.headers = headers
+        self.echo = b""     # the header lines every answer to its request carries, if known
 
-    def encode(self, keep_alive: bool, head_only: bool = False,
-               echo: dict[str, str] | None = None) -> bytes:
+    def encode(self, keep_alive: bool, head_only: bool = False, echo: bytes = b"") -> bytes:
         """head_only: the answer to a HEAD request, the headers a GET would get and no body;
-        echo: the headers every answer to its request carries (Request.echo)."""
+        echo: the header lines every answer to its request carries (Request.echo)."""
         framing = b"Content-Type: %s\r\nContent-Length: %d\r\n" % (
             self.content_type.encode("latin-1"), len(self.body))
-        head = response_head(self.status, framing, self.headers, keep_alive, echo)
+        head = response_head(self.status, framing, self.headers, keep_alive,
+                             echo or self.echo)
         return head if head_only else head + self.body
 
 
@@ -122,7 +123,7 @@ class ChunkedStream:
     __slots__ = ("conn", "status", "ended")
 
     def __init__(self, conn: HTTPConnection, status: int, headers: dict[str, str],
-                 keep_alive: bool, echo: dict[str, str] | None = None):
+                 keep_alive: bool, echo: bytes = b""):
         if conn.transport.is_closing():
             raise ConnectionResetError("the client closed the connection")
         self.conn, self.status, self.ended = conn, status, False

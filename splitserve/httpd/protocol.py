@@ -153,7 +153,7 @@ class HTTPConnection(RequestReader, Ending, asyncio.Protocol):
         connection (connections.py), a refusal is raised; -> the body it may send."""
         verdict = self.server.check_head(request)
         if isinstance(verdict, Response):
-            verdict.headers = {**(verdict.headers or {}), **request.echo()}
+            verdict.echo = request.echo()
             raise Refusal(verdict.status, "", verdict)
         standing, max_body = verdict
         connections = self.server.connections
