@@ -156,8 +156,8 @@ async def carry_on(pools, request, resp, tap: StreamTap, body: dict, info,
         if not tap.migratable(limit) or server is None or server in avoid:
             break
         avoid.append(server)
-        logger.warning("orch: generation stream broke after %d tokens; continuing it on %s",
-                       len(tap.token_ids), server.url)
+        logger.warning("orch: request %s: generation stream broke after %d tokens; "
+                       "continuing it on %s", request.id, len(tap.token_ids), server.url)
         data = orjson.dumps(resume_body(body, tap.token_ids))
         server.in_flight += 1
         try:
@@ -165,7 +165,8 @@ async def carry_on(pools, request, resp, tap: StreamTap, body: dict, info,
                                                   upstream.creds_of(server), data,
                                                   config.first_byte_timeout, request.id)
         except (upstream.Retry, upstream.TimedOut) as exc:
-            logger.warning("orch: %s could not continue the stream: %s", server.url, exc)
+            logger.warning("orch: request %s: %s could not continue the stream: %s",
+                           request.id, server.url, exc)
             if isinstance(exc, upstream.Retry) and exc.down:
                 pools.gen.mark_down(server.url)
             server.in_flight -= 1

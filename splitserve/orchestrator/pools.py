@@ -71,10 +71,11 @@ class Pool:
 
 class Tries:
     """One request's tries: per pool, the servers that failed it (tried again only when no
-    other is healthy) and how many more failures it survives."""
+    other is healthy) and how many more failures it survives. rid: its X-Request-Id."""
 
-    def __init__(self, max_retries: int, retries_metric, probes: Probes):
+    def __init__(self, max_retries: int, retries_metric, probes: Probes, rid: str):
         self.max_retries, self.metric, self.probes = max_retries, retries_metric, probes
+        self.rid = rid
         self.failed: dict[str, list[Server]] = {"ctx": [], "gen": []}
 
     async def pick(self, pool: Pool, info: RequestInfo) -> Server:
@@ -94,11 +95,12 @@ class Tries:
         if exc.down:
             pool.mark_down(server.url)
         if len(failed) > self.max_retries:
-            logger.warning("orch: %s server %s failed (%s); giving up after %d tries",
-                           pool.name, server.url, exc, len(failed))
+            logger.warning("orch: request %s: %s server %s failed (%s); giving up after %d "
+                           "tries", self.rid, pool.name, server.url, exc, len(failed))
             raise UpstreamError(f"no {pool.role} worker could serve this request "
                                 f"({len(failed)} tries failed); retry later")
-        logger.warning("orch: %s server %s failed (%s); trying again", pool.name, server.url, exc)
+        logger.warning("orch: request %s: %s server %s failed (%s); trying again", self.rid,
+                       pool.name, server.url, exc)
         self.metric.labels(pool.name, exc.reason).inc()
 
 
@@ -147,7 +149,8 @@ class Pools:
             mode = relay.relay_mode(body, self.config.token_relay)
             ctx_data, gen_data = orjson.dumps(relay.context_body(body, mode)), None
             self.metrics.preprocessing.observe(time.time() - t0)
-        tries = Tries(self.config.max_retries, self.metrics.retries, self.probes)
+        tries = Tries(self.config.max_retries, self.metrics.retries, self.probes,
+                      request.id)
         migratable = not aggregated and body.get("stream") is True and self.config.migrate_streams
         while True:
             pool = self.gen if gen_data is not None else self.ctx
@@ -179,7 +182,8 @@ class Pools:
         """(status, body) of a request a worker answers whole and that changes nothing
         (/tokenize, /detokenize): the client's body as it came to a generation worker (it
         checks it: its 400 is the answer), tried again elsewhere as a generation is."""
-        tries = Tries(self.config.max_retries, self.metrics.retries, self.probes)
+        tries = Tries(self.config.max_retries, self.metrics.retries, self.probes,
+                      request.id)
         while True:
             server = await tries.pick(self.gen, RequestInfo())
             try:

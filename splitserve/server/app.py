@@ -164,7 +164,7 @@ class WorkerServer:
             status = 499   # the client went away
             raise
         except Exception:
-            logger.exception("%s: request failed", self.log_prefix)
+            logger.exception("%s: request %s failed", self.log_prefix, request.id)
             return _error(500, "internal error; the request was not completed", "server_error")
         finally:
             self.metrics.request_done(request.path, status)

@@ -189,7 +189,8 @@ class GenerateHandlers:
         except EngineDeadError as exc:
             await resp.write(sse_error(str(exc)))
         except Exception:
-            logger.exception("%s: stream failed", self.server.config.log_prefix)
+            logger.exception("%s: request %s: stream failed", self.server.config.log_prefix,
+                             request.id)
             await resp.write(sse_error("internal error; this request was not completed"))
         if req.include_usage:
             await resp.write(enc.usage_chunk())
