@@ -139,3 +139,20 @@ def test_parts_and_merge():
     assert [c["index"] for c in merged["choices"]] == [1, 0]
     assert merged["usage"]["prompt_tokens"] == 4 and merged["usage"]["completion_tokens"] == 4
     assert summed_usage([])["total_tokens"] == 0
+
+
+def test_a_part_a_worker_refuses_fails_the_request_clearly(cluster):
+    """A prompt of ids outside the vocabulary: a worker refuses the whole batch; through the
+    split, the part's refusal is the answer (or, once other parts stream, an error event)."""
+    gen, orch = cluster
+    bad = {**BATCH, "prompt": [[1, 2, 3], [10**6]]}
+    status, want = post(gen.url + "/v1/completions", bad)
+    assert status == 400, want
+    status, got = post(orch.url + "/v1/completions", bad)
+    assert status == 400 and "vocabulary" in got["error"]["message"], got
+    try:
+        events = stream(orch.url + "/v1/completions", bad)
+    except Exception as exc:      # refused before the stream's head: urllib's HTTPError
+        assert getattr(exc, "code", None) == 400, exc
+    else:
+        assert "error" in events[-2] and events[-1] == "[DONE]", events
