@@ -83,8 +83,12 @@ def test_throughput_lines_only_while_there_is_traffic(caplog):
 
 
 @pytest.mark.parametrize("command", [["serve", "--model", "tiny-random"],
-                                     ["up", "--model", "tiny-random"]])
-def test_a_busy_port_is_one_line_before_anything_loads(command):
+                                     ["up", "--model", "tiny-random"],
+                                     ["orchestrator", "-c", "CLUSTER"]])
+def test_a_busy_port_is_one_line_before_anything_loads(command, tmp_path):
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text("internal_secret: s\ncontext_servers: []\ngeneration_servers: []\n")
+    command = [str(cluster) if c == "CLUSTER" else c for c in command]
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         held.listen()
