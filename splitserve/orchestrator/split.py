@@ -116,14 +116,11 @@ class Fanout:
         except UpstreamError as exc:
             raise _Failed(_error_response(exc.status, str(exc)), str(exc)) from None
         if isinstance(resp, _PartStream):
-            resp.flush()
             return None
         if resp.status != 200:
             raise _Failed(resp, _message(resp.body))
         if self.streaming:          # a whole SSE body (the context worker ended it)
-            stream = _PartStream(self, part)
-            await stream.write(resp.body)
-            stream.flush()
+            await _PartStream(self, part).write(resp.body)
             return None
         return orjson.loads(resp.body)
 
@@ -169,7 +166,7 @@ class _PartStream:
     its [DONE] is dropped (the merged stream ends once, after every part)."""
 
     def __init__(self, fanout: Fanout, part: Part):
-        self.fanout, self.part, self.buf, self.status = fanout, part, b"", 200
+        self.fanout, self.part, self.buf = fanout, part, b""
 
     async def write(self, data: bytes) -> None:
         self.buf += data
@@ -178,9 +175,6 @@ class _PartStream:
             for line in event.split(b"\n"):
                 if line.startswith(b"data: ") and line != DONE.strip():
                     await self.fanout.emit(_event(line[6:]), self.part)
-
-    def flush(self) -> None:
-        self.buf = b""
 
     def end(self) -> None:
         pass
