@@ -74,8 +74,10 @@ def test_choice_j_of_n_samples_with_sibling_js_seed(cluster, path, body):
 
 
 @pytest.mark.parametrize("path, body", [("/v1/completions", BATCH),
+                                        ("/v1/completions", {**BATCH, "max_tokens": 1}),
                                         ("/v1/chat/completions", CHAT)])
 def test_a_split_stream_carries_each_choice_under_its_index(cluster, path, body):
+    """(max_tokens 1: each context worker ends its part, whose answer is made a stream.)"""
     _, orch = cluster
     _, want = post(orch.url + path, body)
     events = stream(orch.url + path, {**body, "stream_options": {"include_usage": True}})
