@@ -1,7 +1,8 @@
 """splitserve: disaggregated (prefill/decode) LLM serving."""
 
-__version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "PromptTokens", "RequestOutput", "CompletionOutput"]
+from splitserve.version import __version__
+
+__all__ = ["__version__", "LLM", "SamplingParams", "PromptTokens", "RequestOutput", "CompletionOutput"]
 
 _HOMES = {"LLM": "splitserve.llm", "RequestOutput": "splitserve.llm",
           "CompletionOutput": "splitserve.llm", "SamplingParams": "splitserve.sampling_params",

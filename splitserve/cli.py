@@ -60,6 +60,13 @@ def _add_secret_arguments(p, what: str, isolation_default: str | None = "none") 
                         "variable: every local user can read a command line)")
 
 
+def add_allowed_origins_argument(p, more: str) -> None:
+    from splitserve.httpd.cors import parse_origins
+    p.add_argument("--allowed-origins", type=parse_origins, default=None,
+                   help="browser origins allowed cross-origin requests (CORS), "
+                        f"comma-separated, * for any {more}")
+
+
 def add_api_key_arguments(p, help: str, isolation_default: str | None = "none") -> None:
     """--api-key (vLLM's spelling: several after one flag, or the flag again) and
     --cache-isolation. isolation_default None: the cluster file's, else none."""
@@ -111,11 +118,25 @@ def orchestrator_config(args):
     overrides["api_key"] = tuple(args.api_key or config.api_key or envs.api_keys())
     if args.cache_isolation is not None:
         overrides["cache_isolation"] = args.cache_isolation
+    if args.disable_log_requests:
+        overrides["disable_log_requests"] = True
+    if args.allowed_origins is not None:
+        overrides["allowed_origins"] = args.allowed_origins
     overrides["internal_secret"] = (args.internal_secret or config.internal_secret
                                     or envs.internal_secret())
     config = replace(config, **overrides)
     warn_if_open("orch", config.host, config.api_key)
     return config
+
+
+def _port_refused(log_prefix: str, host: str, port: int) -> bool:
+    """Logs, in one line, why the server cannot listen on host:port (before it loads a
+    model or starts a worker): True then."""
+    from splitserve.listen import port_in_use
+    problem = port_in_use(host, port)
+    if problem is not None:
+        logging.getLogger(__name__).error("%s: %s", log_prefix, problem)
+    return problem is not None
 
 
 def _bad_config(command: str, exc: Exception) -> None:
@@ -169,6 +190,8 @@ def _serve(args) -> int:
         config = server_config(args, plan.engine_threads)
     except ValueError as exc:
         _bad_config("serve", exc)
+    if _port_refused("%s:%d" % (args.role, args.port), config.host, config.port):
+        return 1
     # The resolved dtype is logged once the engine is ready ("serving <model> (<dtype>)"):
     # resolving auto needs torch, which only the engine process loads.
     logging.getLogger(__name__).info("%s:%d: %s", args.role, args.port,
@@ -197,6 +220,8 @@ def _orchestrator(args) -> int:
     if not config.internal_secret:
         logging.getLogger("splitserve.orchestrator").error("orch: %s", NO_SECRET)
         return 2
+    if _port_refused("orch", config.host, config.port):
+        return 1
     if config.processes > 1:
         asyncio.run(fleet.run_fleet(config, args.log_level))
     else:
@@ -243,6 +268,10 @@ def build_parser() -> argparse.ArgumentParser:
     orch.add_argument("--port", type=int, default=None)
     orch.add_argument("--max-in-flight", type=int, default=None,
                       help="requests served at once; past it, 503 at once (overrides the YAML)")
+    add_allowed_origins_argument(orch, "(overrides the YAML's allowed_origins)")
+    orch.add_argument("--disable-log-requests", action="store_true",
+                      help="no log line per finished request (overrides the YAML's "
+                           "disable_log_requests)")
     _add_secret_arguments(orch, "the cluster", isolation_default=None)
     orch.set_defaults(func=_orchestrator)
 

@@ -80,7 +80,7 @@ def _add(parser, owner: type, f: Field, fl: Flag, text: str, choices: tuple | No
             raise TypeError(f"{fl.name}: a --no- flag turns off a field that defaults to True")
         parser.add_argument(fl.name, *fl.aliases, action="store_true", help=text)
         return
-    if f.default is False:     # a switch that turns on a False field
+    if f.default is False:     # a switch that turns on a field that defaults to False
         parser.add_argument(fl.name, *fl.aliases, action="store_true", help=text)
         return
     default = f.default if fl.unit == 1 or f.default is None else f.default / fl.unit

@@ -4,6 +4,7 @@ which this machine reaches it."""
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import logging
 import socket
@@ -47,3 +48,28 @@ def http_url(host: str, port: int) -> str:
 def local_url(host: str, port: int) -> str:
     """The URL this machine reaches a server listening on host at (a wildcard: loopback)."""
     return http_url(_LOOPBACK.get(host, host), port)
+
+
+def port_in_use(host: str, port: int) -> str | None:
+    """Why a server could not listen on host:port now (another process holds it, an address
+    this machine lacks), in one line; None: it can. Checked before a server loads anything,
+    so a busy port costs no model load and no traceback. (Port 0 is always free.)"""
+    if port == 0:
+        return None
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+    except OSError as exc:
+        return f"cannot listen on {host}:{port}: {exc.strerror or exc}"
+    family, _, _, _, address = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        # as the server binds it: a port left in TIME_WAIT by a server just stopped is free
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(address)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return (f"port {port} on {host or 'every interface'} is already in use "
+                        f"(another server is listening there); choose another with --port")
+            return f"cannot listen on {host}:{port}: {exc.strerror or exc}"
+    return None

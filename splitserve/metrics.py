@@ -99,6 +99,11 @@ class Counter(_Metric):
         """Mirror a running total kept elsewhere (the engine process)."""
         self._default.set(value)
 
+    @property
+    def total(self) -> float:
+        """An unlabelled counter's count."""
+        return self._default.value
+
 
 class Gauge(_Metric):
     type = "gauge"

@@ -14,6 +14,14 @@ _MAX_LOGPROBS = 20
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
 MAX_N = 128
+
+
+def sibling_seed(seed: int, i: int) -> int:
+    """The seed choice i of an n > 1 request samples with: seed + i, wrapped into int64 like
+    a C counter, so a seed at the top of the range does not push its siblings' past what
+    msgpack and torch take. A worker's siblings and the orchestrator's split choices
+    (orchestrator/split.py) both use it, so a seeded answer is the same either way."""
+    return (seed + i + 2**63) % 2**64 - 2**63
 MAX_STOP = 16
 MAX_STOP_LEN = 256        # characters per stop string: each step searches a window this wide
 MAX_TOKEN_ID_LIST = 1024  # entries of logit_bias and of stop_token_ids

@@ -13,7 +13,7 @@ import numpy as np
 from splitserve.errors import InvalidRequestError
 from splitserve.protocol.block_hashes import chain_hashes, prompt_digest
 from splitserve.protocol.engine import KVHandle
-from splitserve.sampling_params import SamplingParams
+from splitserve.sampling_params import SamplingParams, sibling_seed
 from splitserve.tokens import PromptTokens
 
 
@@ -63,9 +63,7 @@ def check_resumed(prompt: PromptTokens, params: SamplingParams, resumed: np.ndar
 
 
 def sibling_params(params: SamplingParams, i: int) -> SamplingParams:
-    """Sibling i of an n > 1 request samples with seed + i, wrapped into int64 like a C
-    counter: a seed at the top of the range must not push its siblings' past what msgpack
-    and torch take."""
+    """Sibling i of an n > 1 request samples with sibling_seed(seed, i)."""
     if params.seed is None:
         return params
-    return msgspec.structs.replace(params, seed=(params.seed + i + 2**63) % 2**64 - 2**63)
+    return msgspec.structs.replace(params, seed=sibling_seed(params.seed, i))

@@ -153,6 +153,7 @@ class HTTPConnection(RequestReader, Ending, asyncio.Protocol):
         connection (connections.py), a refusal is raised; -> the body it may send."""
         verdict = self.server.check_head(request)
         if isinstance(verdict, Response):
+            verdict.echo = request.echo()
             raise Refusal(verdict.status, "", verdict)
         standing, max_body = verdict
         connections = self.server.connections
@@ -214,7 +215,8 @@ class HTTPConnection(RequestReader, Ending, asyncio.Protocol):
         keep_alive = request.keep_alive and not self.server.closing
         stream, self.stream = self.stream, None
         if stream is None:
-            self.transport.write(response.encode(keep_alive, request.method == "HEAD"))
+            self.transport.write(response.encode(keep_alive, request.method == "HEAD",
+                                                 request.echo()))
         else:
             if response is not stream:   # failed after its head went out: nothing else to say
                 logger.warning("%s: %s %s failed while streaming (%d)", self.server.log_prefix,

@@ -21,6 +21,7 @@ from typing import Callable, NamedTuple
 import msgspec
 
 from splitserve.httpd.connections import Connections, Standing
+from splitserve.httpd.cors import CORS
 from splitserve.httpd.limits import HTTPLimits, connection_budget, raise_fd_limit
 from splitserve.httpd.messages import Request, Response
 from splitserve.httpd.protocol import HTTPConnection
@@ -55,10 +56,14 @@ class HTTPServer:
 
     def __init__(self, handler: Handler, max_body_bytes: int, log_prefix: str = "http",
                  limits: HTTPLimits = HTTPLimits(), error_body: ErrorBody = plain_error_body,
-                 check_head: HeadCheck | None = None, other_fds: int = 0):
+                 check_head: HeadCheck | None = None, other_fds: int = 0,
+                 allowed_origins: tuple[str, ...] = ()):
         self.handler, self.max_body_bytes, self.log_prefix = handler, max_body_bytes, log_prefix
         self.limits, self.error_body, self.other_fds = limits, error_body, other_fds
         self.check_head = check_head or self._any_client
+        self.cors = CORS(allowed_origins) if allowed_origins else None
+        if self.cors is not None:
+            self._answer_preflights()
         self.connections = Connections(limits.max_connections, limits.max_connections,
                                        limits.max_unproven_per_client)
         self.closing = False
@@ -70,6 +75,20 @@ class HTTPServer:
 
     def _any_client(self, request: Request) -> Admission:
         return Admission(Standing.CLIENT, self.max_body_bytes)
+
+    def _answer_preflights(self) -> None:
+        """A CORS preflight from an allowed origin is answered here, before the
+        application's head check (it carries no API key) and handler."""
+        cors, check_head, handler = self.cors, self.check_head, self.handler
+
+        def check(request: Request) -> Admission | Response:
+            if cors.is_preflight(request):
+                return Admission(Standing.UNPROVEN, 0)
+            return check_head(request)
+
+        async def answer(request: Request):
+            return cors.preflight(request) if cors.is_preflight(request) else await handler(request)
+        self.check_head, self.handler = check, answer
 
     async def start(self, host: str, port: int, backlog: int, reuse_port: bool = False) -> None:
         """reuse_port: SO_REUSEPORT, for several processes listening on one port (the kernel

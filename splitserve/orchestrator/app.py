@@ -21,7 +21,7 @@ from splitserve.httpd.connections import Standing
 from splitserve.httpd.limits import FD_HEADROOM, LISTEN_BACKLOG, raise_fd_limit
 from splitserve.httpd.router import ANY, NO_BODY, Route, Router
 from splitserve.httpd.server import Admission
-from splitserve.orchestrator import relay
+from splitserve.orchestrator import relay, split
 from splitserve.orchestrator.cluster import ClusterConfig
 from splitserve.orchestrator.decide import Decider
 from splitserve.orchestrator.metrics import OrchestratorMetrics
@@ -31,8 +31,10 @@ from splitserve.orchestrator.registry import (NOT_INTERNAL, PATHS, LocalMembersh
 from splitserve.protocol.cache_salt import CacheIsolation, derivation_key
 from splitserve.protocol.openai import error_body, status_error_body
 from splitserve.protocol.openai_fields import UnknownFields
+from splitserve.request_log import log_finished
 from splitserve.signals import wait_for_stop_signal
 from splitserve.trust import Gate
+from splitserve.version import __version__
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +75,9 @@ class Orchestrator:
             "/v1/completions": Route("POST", self.generate, body),
             "/v1/chat/completions": Route("POST", self.generate, body),
             "/v1/models": Route("GET", self.models, NO_BODY),
+            "/tokenize": Route("POST", self.forward, body),
+            "/detokenize": Route("POST", self.forward, body),
+            "/version": Route("GET", version, NO_BODY),
             "/health": Route("GET", self.health, NO_BODY),
             "/metrics": Route("GET", self.prometheus, NO_BODY),
             **{path: Route(ANY, self.internal, REGISTRATION_MAX_BODY) for path in PATHS},
@@ -85,7 +90,8 @@ class Orchestrator:
                            self.max_in_flight, config.max_in_flight)
         self.http = HTTPServer(self.router.dispatch, body, "orch", limits=limits,
                                error_body=status_error_body, check_head=self.check_head,
-                               other_fds=self.max_in_flight)
+                               other_fds=self.max_in_flight,
+                               allowed_origins=config.allowed_origins)
         self.gc = ServingGC()
         self.in_flight = 0
         self.unknown = UnknownFields("orch")     # request fields no schema knows: told once
@@ -122,11 +128,13 @@ class Orchestrator:
             relay.check_logprobs(request.body, body, request.path == "/v1/chat/completions")
             body = relay.salted(body, self.isolation.salt(body.get("cache_salt"),
                                                           self.gate.tenant(request.header)))
-            plan = await self.decider.plan(request, body, self.pools.gen.servers)
-            if plan.local:
-                route = "aggregated"
-            resp, served = await self.pools.serve(request, body, plan.local, t0, plan.info)
-            route, status = served or route, resp.status
+            pieces = split.parts(request.body, body, request.path == "/v1/chat/completions")
+            if pieces is not None:
+                route = "split"
+                resp = await split.Fanout(request, body, self._serve_one).run(pieces)
+            else:
+                resp, route = await self._serve_one(request, body, t0)
+            status = resp.status
             return resp
         except InvalidRequestError as exc:
             status = 400
@@ -143,6 +151,30 @@ class Orchestrator:
             self.metrics.in_flight.dec()
             self.metrics.requests.labels(request.path, route, status).inc()
             self.metrics.e2e.observe(time.time() - t0)
+            if not self.config.disable_log_requests:
+                log_finished("orch", request, status, t0, route)
+
+    async def forward(self, request: Request) -> Response:
+        """/tokenize and /detokenize: a generation worker's answer (Pools.forward)."""
+        t0, status = time.time(), 500
+        try:
+            status, body = await self.pools.forward(request)
+            return Response(body, status)
+        except relay.UpstreamError as exc:
+            status = exc.status
+            return _error(exc.status, str(exc), "server_error", retry_after=exc.retry_after)
+        finally:
+            self.metrics.requests.labels(request.path, "forwarded", status).inc()
+            if not self.config.disable_log_requests:
+                log_finished("orch", request, status, t0, "forwarded")
+
+    async def _serve_one(self, request, body: dict, t0: float | None = None):
+        """(the answer, the route it took) of one request served whole on the pools: a
+        client's, or one part of a split one (split.py), planned by decide.py."""
+        plan = await self.decider.plan(request, body, self.pools.gen.servers)
+        resp, served = await self.pools.serve(request, body, plan.local, t0 or time.time(),
+                                              plan.info)
+        return resp, served or ("aggregated" if plan.local else "disagg")
 
     def mark_down(self, url: str) -> None:
         """A worker is known to be gone (its process exited): route around it at once."""
@@ -201,6 +233,10 @@ class Orchestrator:
         if self._registry_task is not None:
             self._registry_task.cancel()
         await self.pools.stop()
+
+
+async def version(request: Request) -> Response:
+    return Response(orjson.dumps({"version": __version__}))
 
 
 def _error(status: int, message: str, type: str = "invalid_request_error",

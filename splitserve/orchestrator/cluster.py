@@ -7,6 +7,7 @@ from typing import NamedTuple
 
 import yaml
 
+from splitserve.httpd.cors import parse_origins
 from splitserve.protocol.cache_salt import check_isolation
 from splitserve.protocol.disagg import RELAY_MODES
 from splitserve.protocol.internal_api import reported_load
@@ -78,6 +79,10 @@ class ClusterConfig:
     # here otherwise, as from a worker). `up` gives both to its workers and itself.
     chat_template: str | None = template_file_field()
     trust_request_chat_template: bool = trust_templates_field()
+    # Browser origins allowed cross-origin requests (httpd/cors.py); `*`: any.
+    allowed_origins: tuple[str, ...] = ()
+    # No log line per finished request (`--disable-log-requests`).
+    disable_log_requests: bool = False
 
     def __post_init__(self):
         if self.token_relay not in RELAY_MODES:
@@ -118,6 +123,8 @@ class ClusterConfig:
         unknown = set(raw) - {f for f in cls.__dataclass_fields__}
         if unknown:
             raise ValueError(f"{where}: unknown keys {sorted(unknown)}")
+        if "allowed_origins" in raw:     # a list, or one comma-separated string
+            raw["allowed_origins"] = parse_origins(raw["allowed_origins"])
         if "api_key" in raw:
             try:
                 raw["api_key"] = api_keys(raw["api_key"])

@@ -2,7 +2,8 @@
 (the split path), or on the generation worker itself (sent whole, as an aggregated
 request), skipping CTX and the KV transfer. Local prefill when
 
-- the request needs it (relay.needs_aggregated: n > 1, prompt logprobs), or
+- the request needs it (relay.needs_aggregated: prompt logprobs; n > 1, split into single
+  choices first by split.py, only where a body was not split), or
 - the prompt has at most `local_prefill_max_tokens` tokens: for a short prompt the extra
   hop and the KV pull cost more than the prefill they move (a bound from the body's bytes
   settles most of them without tokenizing), or

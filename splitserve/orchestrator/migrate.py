@@ -142,9 +142,10 @@ class Continuation:
         return b"data: " + orjson.dumps(obj)
 
 
-async def carry_on(pools, path: str, resp, tap: StreamTap, body: dict, info,
+async def carry_on(pools, request, resp, tap: StreamTap, body: dict, info,
                    avoid: list, problem: str) -> str | None:
-    """Continue a stream that broke on other generation workers of `pools` (pools.Pools),
+    """Continue the stream of the client's `request` (its path and X-Request-Id) that broke,
+    on other generation workers of `pools` (pools.Pools),
     avoiding those in `avoid`, the broken one first; the problem left (None: the stream was
     completed). Unlike the request's retry loop (pools.py), a failure here is not a retry of
     the request: the client has bytes already, so each worker is tried once, and the
@@ -155,16 +156,17 @@ async def carry_on(pools, path: str, resp, tap: StreamTap, body: dict, info,
         if not tap.migratable(limit) or server is None or server in avoid:
             break
         avoid.append(server)
-        logger.warning("orch: generation stream broke after %d tokens; continuing it on %s",
-                       len(tap.token_ids), server.url)
+        logger.warning("orch: request %s: generation stream broke after %d tokens; "
+                       "continuing it on %s", request.id, len(tap.token_ids), server.url)
         data = orjson.dumps(resume_body(body, tap.token_ids))
         server.in_flight += 1
         try:
-            held = await upstream.open_generation(pools.session, server.url + path,
+            held = await upstream.open_generation(pools.session, server.url + request.path,
                                                   upstream.creds_of(server), data,
-                                                  config.first_byte_timeout)
+                                                  config.first_byte_timeout, request.id)
         except (upstream.Retry, upstream.TimedOut) as exc:
-            logger.warning("orch: %s could not continue the stream: %s", server.url, exc)
+            logger.warning("orch: request %s: %s could not continue the stream: %s",
+                           request.id, server.url, exc)
             if isinstance(exc, upstream.Retry) and exc.down:
                 pools.gen.mark_down(server.url)
             server.in_flight -= 1

@@ -71,10 +71,11 @@ class Pool:
 
 class Tries:
     """One request's tries: per pool, the servers that failed it (tried again only when no
-    other is healthy) and how many more failures it survives."""
+    other is healthy) and how many more failures it survives. rid: its X-Request-Id."""
 
-    def __init__(self, max_retries: int, retries_metric, probes: Probes):
+    def __init__(self, max_retries: int, retries_metric, probes: Probes, rid: str):
         self.max_retries, self.metric, self.probes = max_retries, retries_metric, probes
+        self.rid = rid
         self.failed: dict[str, list[Server]] = {"ctx": [], "gen": []}
 
     async def pick(self, pool: Pool, info: RequestInfo) -> Server:
@@ -94,11 +95,12 @@ class Tries:
         if exc.down:
             pool.mark_down(server.url)
         if len(failed) > self.max_retries:
-            logger.warning("orch: %s server %s failed (%s); giving up after %d tries",
-                           pool.name, server.url, exc, len(failed))
+            logger.warning("orch: request %s: %s server %s failed (%s); giving up after %d "
+                           "tries", self.rid, pool.name, server.url, exc, len(failed))
             raise UpstreamError(f"no {pool.role} worker could serve this request "
                                 f"({len(failed)} tries failed); retry later")
-        logger.warning("orch: %s server %s failed (%s); trying again", pool.name, server.url, exc)
+        logger.warning("orch: request %s: %s server %s failed (%s); trying again", self.rid,
+                       pool.name, server.url, exc)
         self.metric.labels(pool.name, exc.reason).inc()
 
 
@@ -147,18 +149,19 @@ class Pools:
             mode = relay.relay_mode(body, self.config.token_relay)
             ctx_data, gen_data = orjson.dumps(relay.context_body(body, mode)), None
             self.metrics.preprocessing.observe(time.time() - t0)
-        tries = Tries(self.config.max_retries, self.metrics.retries, self.probes)
+        tries = Tries(self.config.max_retries, self.metrics.retries, self.probes,
+                      request.id)
         migratable = not aggregated and body.get("stream") is True and self.config.migrate_streams
         while True:
             pool = self.gen if gen_data is not None else self.ctx
             server = await tries.pick(pool, info)
             try:
                 if gen_data is not None:
-                    tap, carry_on = (self._migration(request.path, body, info,
+                    tap, carry_on = (self._migration(request, body, info,
                                                      [*tries.failed["gen"], server])
                                      if migratable else (None, None))
                     return await self._generate_on(server, request, gen_data, tap, carry_on), None
-                status, answer = await self._prefill(server, request.path, ctx_data)
+                status, answer = await self._prefill(server, request, ctx_data)
                 params = _handoff(body, status, answer)
                 if params is None:
                     return stream.ctx_answer(body, status, answer), "ctx_only"
@@ -175,21 +178,40 @@ class Pools:
                     f"the {pool.role} worker did not answer within "
                     f"{self.config.first_byte_timeout:g} s", 504, None) from None
 
-    def _migration(self, path: str, body: dict, info: RequestInfo, avoid: list):
+    async def forward(self, request) -> tuple[int, bytes]:
+        """(status, body) of a request a worker answers whole and that changes nothing
+        (/tokenize, /detokenize): the client's body as it came to a generation worker (it
+        checks it: its 400 is the answer), tried again elsewhere as a generation is."""
+        tries = Tries(self.config.max_retries, self.metrics.retries, self.probes,
+                      request.id)
+        while True:
+            server = await tries.pick(self.gen, RequestInfo())
+            try:
+                status, answer = await upstream.post_json(
+                    self.session, server.url + request.path, upstream.creds_of(server),
+                    request.body, self.config.first_byte_timeout, request.id)
+                return status, orjson.dumps(answer)
+            except upstream.Retry as exc:
+                tries.failed_on(self.gen, server, exc)
+            except upstream.TimedOut:
+                raise UpstreamError(f"the generation worker did not answer within "
+                                    f"{self.config.first_byte_timeout:g} s", 504, None) from None
+
+    def _migration(self, request, body: dict, info: RequestInfo, avoid: list):
         """(tap, carry_on) for stream.forward: a stream whose GEN breaks goes on elsewhere."""
         tap = migrate.StreamTap()
 
         async def carry_on(out, problem: str) -> str | None:
-            return await migrate.carry_on(self, path, out, tap, body, info, avoid, problem)
+            return await migrate.carry_on(self, request, out, tap, body, info, avoid, problem)
         return tap, carry_on
 
-    async def _prefill(self, server: Server, path: str, data: bytes) -> tuple[int, dict]:
+    async def _prefill(self, server: Server, request, data: bytes) -> tuple[int, dict]:
         server.in_flight += 1
         t = time.time()
         try:
-            return await upstream.post_json(self.session, server.url + path,
+            return await upstream.post_json(self.session, server.url + request.path,
                                             upstream.creds_of(server), data,
-                                            self.config.first_byte_timeout)
+                                            self.config.first_byte_timeout, request.id)
         finally:
             server.in_flight -= 1
             self.metrics.ctx.observe(time.time() - t)
@@ -201,7 +223,7 @@ class Pools:
             t = time.time()
             held = await upstream.open_generation(self.session, server.url + request.path,
                                                   upstream.creds_of(server), data,
-                                                  self.config.first_byte_timeout)
+                                                  self.config.first_byte_timeout, request.id)
             self.metrics.gen_first_byte.observe(time.time() - t)
             try:
                 resp = await stream.forward(request, held, self.config.idle_timeout, tap, carry_on)

@@ -31,7 +31,8 @@ class UpstreamError(Exception):
 
 def needs_aggregated(body: dict) -> bool:
     """Requests the split path does not serve: they run whole on a generation worker.
-    n > 1 (siblings fork from one prefill), and prompt logprobs (GEN does not prefill)."""
+    Prompt logprobs (GEN does not prefill), and n > 1 (siblings fork from one prefill) in a
+    body that was not split into single choices (the orchestrator splits them: split.py)."""
     n = body.get("n")   # not an int: the worker's 400 names it
     return ((isinstance(n, int) and n > 1) or body.get("prompt_logprobs") is not None
             or (bool(body.get("echo")) and body.get("logprobs") is not None))

@@ -23,7 +23,7 @@ import urllib.request
 
 from splitserve import envs
 from splitserve.config import KVTransferConfig
-from splitserve.listen import local_url, warn_if_open
+from splitserve.listen import local_url, port_in_use, warn_if_open
 from splitserve.model.loader import DEFAULT_MODEL
 from splitserve.orchestrator.app import run_orchestrator
 from splitserve.orchestrator.cluster import ClusterConfig, PoolConfig
@@ -59,6 +59,8 @@ def worker_command(args, role: str, port: int, cpus: WorkerPlan) -> list[str]:
         cmd += ["--trust-request-chat-template"]
     if args.cache_isolation != "none":   # a client going around the orchestrator is isolated too
         cmd += ["--cache-isolation", args.cache_isolation]
+    cmd += [f for f, on in (("--disable-log-requests", args.disable_log_requests),
+                            ("--disable-log-stats", args.disable_log_stats)) if on]
     if role == "gen" and args.gen_api_servers > 1:
         cmd += ["--api-server-count", str(args.gen_api_servers)]
     return cmd
@@ -157,7 +159,9 @@ def cluster_config(args, secret_env: dict[str, str]) -> ClusterConfig:
                            idle_timeout=args.idle_timeout, model=args.model or DEFAULT_MODEL,
                            load_format=args.load_format,
                            chat_template=args.chat_template,
-                           trust_request_chat_template=args.trust_request_chat_template)
+                           trust_request_chat_template=args.trust_request_chat_template,
+                           disable_log_requests=args.disable_log_requests,
+                           allowed_origins=args.allowed_origins or ())
     warn_if_open("up", config.host, config.api_key)
     return config
 
@@ -177,6 +181,10 @@ def up(args) -> int:
     except ValueError as exc:
         logger.error("up: %s", exc)
         return 2
+    problem = port_in_use(config.host, config.port)
+    if problem is not None:    # before any worker starts and registers with what holds it
+        logger.error("up: %s", problem)
+        return 1
     children = start_workers(args, plan, secret_env)
     supervisor = Supervisor(children)
     # Signals during startup must still stop the children.

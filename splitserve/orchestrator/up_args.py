@@ -58,6 +58,12 @@ def add_arguments(p) -> None:
     p.add_argument("--idle-timeout", type=float, default=ClusterConfig.idle_timeout,
                    help="seconds a GEN stream may go without sending anything (default: "
                         "%(default)s)")
+    p.add_argument("--disable-log-requests", action="store_true",
+                   help="no log line per finished request, on the orchestrator and the workers")
+    p.add_argument("--disable-log-stats", action="store_true",
+                   help="no throughput line from the workers every 10 s while there is traffic")
+    from splitserve.cli import add_allowed_origins_argument
+    add_allowed_origins_argument(p, "(the orchestrator's; default: none)")
     from splitserve.cli import add_api_key_arguments
     add_api_key_arguments(p, "clients must send `Authorization: Bearer <key>` with one of "
                              "these keys to the orchestrator and the workers (default: "

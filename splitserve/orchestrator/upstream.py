@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import aiohttp
 import orjson
 
+from splitserve.httpd.request_id import HEADER as REQUEST_ID_HEADER
 from splitserve.orchestrator.cluster import Credentials
 from splitserve.orchestrator.relay import SSE
 from splitserve.protocol.internal_api import SENT_AT_HEADER
@@ -88,10 +89,11 @@ def creds_of(server) -> Credentials:
     return creds
 
 
-def _headers(creds: Credentials) -> dict:
-    # The receiver measures its preprocessing from the moment we wrote the request.
+def _headers(creds: Credentials, rid: str) -> dict:
+    # The receiver measures its preprocessing from the moment we wrote the request, and
+    # logs it under the client request's id.
     return {"Content-Type": "application/json", SENT_AT_HEADER: repr(time.time()),
-            INTERNAL_HEADER: creds.token}
+            INTERNAL_HEADER: creds.token, REQUEST_ID_HEADER: rid}
 
 
 def is_proven(r: aiohttp.ClientResponse, creds: Credentials) -> bool:
@@ -100,11 +102,12 @@ def is_proven(r: aiohttp.ClientResponse, creds: Credentials) -> bool:
 
 
 async def post_json(session: aiohttp.ClientSession, url: str, creds: Credentials, data: bytes,
-                    first_byte_timeout: float) -> tuple[int, dict]:
-    """A whole JSON answer (CTX): (status, body). 5xx and unreadable answers are Retry."""
+                    first_byte_timeout: float, rid: str) -> tuple[int, dict]:
+    """A whole JSON answer (CTX): (status, body). 5xx and unreadable answers are Retry.
+    rid: the client request's X-Request-Id, which the worker logs it under."""
     with _failures():
         async with asyncio.timeout(first_byte_timeout):
-            async with session.post(url, data=data, headers=_headers(creds),
+            async with session.post(url, data=data, headers=_headers(creds, rid),
                                     allow_redirects=False) as r:
                 status, ok = r.status, is_proven(r, creds)
                 raw = await _whole(r) if ok else b""    # an unproven body is not read
@@ -119,14 +122,14 @@ async def post_json(session: aiohttp.ClientSession, url: str, creds: Credentials
 
 
 async def open_generation(session: aiohttp.ClientSession, url: str, creds: Credentials,
-                          data: bytes, first_byte_timeout: float) -> Held:
+                          data: bytes, first_byte_timeout: float, rid: str) -> Held:
     """Send to a GEN and hold its answer until the first event. 5xx, a stream whose first
     event is a server error, and a stream that ends before its first event are Retry."""
     r = None
     try:
         with _failures():
             async with asyncio.timeout(first_byte_timeout):
-                r = await session.post(url, data=data, headers=_headers(creds),
+                r = await session.post(url, data=data, headers=_headers(creds, rid),
                                        allow_redirects=False)
                 if not is_proven(r, creds):   # nothing of it is read
                     _check_status(r.status, b"", False)

@@ -24,6 +24,7 @@ from splitserve.protocol.internal_api import KV_BLOCKS_PATH, load_body
 from splitserve.protocol.openai import error_body, status_error_body
 from splitserve.protocol.openai_requests import decode_tokenize_request
 from splitserve.protocol.prompts import chat_prompt, encode_prompt, with_template_file
+from splitserve.request_log import Totals, log_finished, log_throughput
 from splitserve.server.config import ServerConfig
 from splitserve.server.engine_client import EngineClient, EngineDeadError
 from splitserve.server.engine_link import EngineLink
@@ -33,6 +34,7 @@ from splitserve.server.metrics import ServerMetrics
 from splitserve.server.registration import Registration
 from splitserve.signals import wait_for_stop_signal
 from splitserve.trust import Gate, NotInternal, Refusal, forbidden
+from splitserve.version import __version__
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +64,7 @@ class WorkerServer:
                                              stall_seconds=config.engine_stall_seconds)
         self.log_prefix = self.engine.log_prefix
         self._reporter: asyncio.Task | None = None
+        self._stats_log: asyncio.Task | None = None
         # The front-end needs only the tokenizer; weights are read by the engine process.
         source = load_model_source(config.engine.model, config.engine.load_format)
         self.tokenizer = with_template_file(source.tokenizer, config.chat_template)
@@ -83,13 +86,15 @@ class WorkerServer:
             "/v1/models": Route("GET", self.models, NO_BODY),
             "/health": Route("GET", self.health, NO_BODY),
             "/metrics": Route("GET", self.prometheus, NO_BODY),
+            "/version": Route("GET", self.version, NO_BODY),
             "/tokenize": Route("POST", self.tokenize, body),
             "/detokenize": Route("POST", self.detokenize, body),
             KV_BLOCKS_PATH: Route("GET", functools.partial(kv_blocks_response, gate=self.gate,
                                                            engine=self.engine), NO_BODY),
         }, status_error_body)
         self.http = HTTPServer(self.dispatch, body, self.log_prefix, limits=config.http,
-                               error_body=status_error_body, check_head=self.check_head)
+                               error_body=status_error_body, check_head=self.check_head,
+                               allowed_origins=config.allowed_origins)
 
     async def in_pool(self, fn):
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn)
@@ -137,7 +142,7 @@ class WorkerServer:
         return response
 
     async def _answer(self, request: Request) -> Response | ChunkedStream:
-        status = 500
+        status, started = 500, time.time()
         try:
             refusal = self.gate.body_refusal(request.header, request.body)
             response = (_refused(refusal) if refusal is not None
@@ -160,10 +165,12 @@ class WorkerServer:
             status = 499   # the client went away
             raise
         except Exception:
-            logger.exception("%s: request failed", self.log_prefix)
+            logger.exception("%s: request %s failed", self.log_prefix, request.id)
             return _error(500, "internal error; the request was not completed", "server_error")
         finally:
             self.metrics.request_done(request.path, status)
+            if not self.config.disable_log_requests:
+                log_finished(self.log_prefix, request, status, started)
 
     # -- small endpoints ------------------------------------------------------------------
     async def models(self, request: Request) -> Response:
@@ -189,11 +196,9 @@ class WorkerServer:
         """GET /health's "load": the engine's running and waiting requests and KV use
         (engine-wide), and the worker's generation requests open: this front-end's, from
         arrival, and the other front-ends' (--api-server-count) as they last reported."""
-        engine = self.engine
-        stats, total = engine.stats, engine.stats.kv_blocks_total
-        return load_body(stats.num_running, stats.num_waiting,
-                         self.handlers.in_flight + engine.peers_in_flight(),
-                         stats.kv_blocks_used / total if total else 0.0)
+        now = self.totals()
+        return load_body(now.running, now.waiting,
+                         self.handlers.in_flight + self.engine.peers_in_flight(), now.kv_usage)
 
     async def prometheus(self, request: Request) -> Response:
         self.metrics.update_engine(self.engine.stats)
@@ -202,6 +207,9 @@ class WorkerServer:
         peers = {k: r.metrics for k, r in self.engine.peer_reports.items()}
         return Response(self.metrics.render(peers, self.engine.peer),
                         content_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def version(self, request: Request) -> Response:
+        return json_response({"version": __version__})
 
     async def tokenize(self, request: Request) -> Response:
         body = decode_tokenize_request(request.body)
@@ -234,12 +242,21 @@ class WorkerServer:
                               reuse_port=shared)
         if shared:
             self._reporter = asyncio.create_task(self._report())
+        if not self.config.disable_log_stats:
+            self._stats_log = asyncio.create_task(log_throughput(self.log_prefix, self.totals))
         logger.info("%s: serving %s (%s) on http://%s:%d%s", self.log_prefix, ready.model_name,
                     ready.dtype, self.config.host, self.http.port,
                     f" (front-end {self.engine.peer}, pid {os.getpid()})" if shared else "")
         # One registration per worker: front-end 1 speaks for the others on the same port.
         self.registration = (Registration.start(self.config, self.http.port)
                              if self.engine.peer <= 1 else None)
+
+    def totals(self) -> Totals:
+        """The throughput line's counts: this front-end's tokens, the engine's requests."""
+        stats, total = self.engine.stats, self.engine.stats.kv_blocks_total
+        return Totals(self.metrics.prompt_tokens.total, self.metrics.generation_tokens.total,
+                      stats.num_running, stats.num_waiting,
+                      stats.kv_blocks_used / total if total else 0.0)
 
     async def _report(self) -> None:
         while True:
@@ -249,8 +266,9 @@ class WorkerServer:
 
     async def stop(self) -> None:
         await Registration.leave(getattr(self, "registration", None))
-        if self._reporter is not None:
-            self._reporter.cancel()
+        for task in (self._reporter, self._stats_log):
+            if task is not None:
+                task.cancel()
         await self.http.close()
         self.gc.stop()
         await self.engine.shutdown()

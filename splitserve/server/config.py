@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from splitserve.config import EngineConfig
 from splitserve.flags import flag, flags_within
+from splitserve.httpd.cors import parse_origins
 from splitserve.httpd.limits import HTTPLimits
 from splitserve.protocol.cache_salt import check_isolation
 from splitserve.protocol.prompts import (
@@ -62,6 +63,14 @@ class ServerConfig:
     register: str | None = field(default=None, metadata=flag(
         "--register", "join this orchestrator's pools while serving; leave on a clean stop",
         metavar="ORCH_URL"))
+    disable_log_requests: bool = field(default=False, metadata=flag(
+        "--disable-log-requests", "no log line per finished request (id, route, status, "
+                                  "tokens, TTFT)"))
+    disable_log_stats: bool = field(default=False, metadata=flag(
+        "--disable-log-stats", "no throughput line every 10 s while there is traffic"))
+    allowed_origins: tuple[str, ...] = field(default=(), metadata=flag(
+        "--allowed-origins", "browser origins allowed cross-origin requests (CORS), "
+                             "comma-separated, * for any (default: none)", type=parse_origins))
     # This worker's instance id (trust.py): made with the serve process's config, so its
     # front-ends (--api-server-count), which get this config, share it; a restarted worker
     # has a new one.

@@ -151,6 +151,7 @@ class GenerateHandlers:
             deltas, echo = await echo_back(deltas, self.server)
             kwargs["echo"] = echo
         observe = _Observer(self.server.metrics, arrival, requests[0].remote is not None)
+        request.outcome = observe     # what the request's log line says (server/app.py)
         if req.stream:
             return await self._stream(request, req, deltas, observe, kwargs)
         acc = ResponseAccumulator(req, self.server.model_name, num_prompts=len(prompts), **kwargs)
@@ -192,7 +193,8 @@ class GenerateHandlers:
         except EngineDeadError as exc:
             await resp.write(sse_error(str(exc)))
         except Exception:
-            logger.exception("%s: stream failed", self.server.config.log_prefix)
+            logger.exception("%s: request %s: stream failed", self.server.config.log_prefix,
+                             request.id)
             await resp.write(sse_error("internal error; this request was not completed"))
         if req.include_usage:
             await resp.write(enc.usage_chunk())
@@ -236,13 +238,17 @@ class GenerateHandlers:
 
 class _Observer:
     """Latency and token metrics of one HTTP request, recorded as its deltas pass (a plain
-    call per delta: one async generator fewer on the hot path)."""
+    call per delta: one async generator fewer on the hot path); its totals (prompt_tokens,
+    completion_tokens, ttft: None until a token came) are the request's log line."""
 
-    __slots__ = ("m", "arrival", "generation_only", "last")
+    __slots__ = ("m", "arrival", "generation_only", "last", "prompt_tokens",
+                 "completion_tokens", "ttft")
 
     def __init__(self, metrics, arrival: float, generation_only: bool):
         self.m, self.arrival, self.generation_only = metrics, arrival, generation_only
         self.last: dict[tuple[int, int], float] = {}
+        self.prompt_tokens = self.completion_tokens = 0
+        self.ttft: float | None = None
 
     def __call__(self, i: int, delta: CompletionDelta) -> None:
         m, now = self.m, delta.received or time.time()
@@ -254,6 +260,7 @@ class _Observer:
                 m.itl.observe(now - prev)
             self.last[(i, delta.index)] = now
             m.generation_tokens.inc(len(delta.token_ids))
+            self.completion_tokens += len(delta.token_ids)
         if delta.finish_reason is not None:
             m.e2e.observe(now - self.arrival)
 
@@ -261,11 +268,14 @@ class _Observer:
         """A response sent whole gets one delta per sequence (the engine's final-only
         output): its first token's time comes with it, and it has no inter-token gaps."""
         m, admitted = self.m, max(delta.admit_time - self.arrival, 0.0)
-        m.ttft.observe((delta.first_token_time or now) - self.arrival)
+        ttft = (delta.first_token_time or now) - self.arrival
+        m.ttft.observe(ttft)
+        self.ttft = ttft if self.ttft is None else min(self.ttft, ttft)
         m.queue.observe(delta.queue_time)
         m.prefill.observe(delta.prefill_time)
         if delta.index == 0:
             m.prompt_tokens.inc(delta.num_prompt_tokens)
+            self.prompt_tokens += delta.num_prompt_tokens
             m.preprocessing.observe(admitted)
         if self.generation_only:
             m.gen_preprocessing.observe(admitted)

@@ -1,0 +1,3 @@
+"""The version /version answers (and pyproject.toml's)."""
+
+__version__ = "0.1.0"
