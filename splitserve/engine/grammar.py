@@ -96,12 +96,11 @@ def advance(matcher: Matcher, token: int) -> bool:
 
 
 def allowed_tokens(matchers: list[Matcher], vocab_size: int, device) -> Tensor:
-    """(G, V) bool: the tokens each matcher allows next. A matcher in an error state allows
-    nothing it can name: its row is all False but for what it reports."""
+    """(G, V) bool: the tokens each matcher allows next. Bit t of word t // 32 is token t,
+    so on a little-endian host the words' bytes unpack, low bit first, in token order."""
     words = np.zeros((len(matchers), mask_words(vocab_size)), dtype=np.int32)   # (G, W)
     for row, m in zip(words, matchers):
         fill_mask(m, row)
-    packed = torch.from_numpy(words).to(device)                                # (G, W)
-    shifts = torch.arange(32, dtype=torch.int32, device=device)
-    bits = (packed.unsqueeze(-1) >> shifts) & 1                                # (G, W, 32)
-    return bits.reshape(len(matchers), -1)[:, :vocab_size].bool()              # (G, V)
+    bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")       # (G, 32 W)
+    allowed = torch.from_numpy(bits[:, :vocab_size]).view(torch.bool)           # (G, V)
+    return allowed.to(device)

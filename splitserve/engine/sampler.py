@@ -103,12 +103,14 @@ class Sampler:
         rows = [i for i, r in enumerate(requests) if r.grammar is not None]
         if not rows:
             return x
-        if x is raw:
-            x = raw.clone()
         allowed = allowed_tokens([requests[i].grammar for i in rows], self.vocab_size,
                                  x.device)                                  # (G, V)
+        if len(rows) == len(requests):   # one pass, a new tensor: raw stays as it was
+            return torch.where(allowed, x, float("-inf"))
+        if x is raw:
+            x = raw.clone()
         idx = torch.tensor(rows, device=x.device)
-        x[idx] = x[idx].masked_fill(~allowed, float("-inf"))
+        x[idx] = torch.where(allowed, x[idx], float("-inf"))
         return x
 
     def _adjust_row(self, row: Tensor, req: Request, masks_eos: bool) -> None:

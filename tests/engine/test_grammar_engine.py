@@ -129,3 +129,18 @@ def test_resumed_tokens_advance_the_grammar(pair):
     want = tokens(run(ctx, "whole", p))
     out = run(ctx, "resumed", p, resumed=np.asarray(want[:4], np.int32))
     assert want[:4] + tokens(out) == want
+
+
+def test_bench_engine_times_the_grammar_mask(pair):
+    from splitserve.bench.engine.sampler_timing import sampler_ms
+    ctx, _ = pair
+    ms = sampler_ms(ctx.model_config.vocab_size, [2], reps=2, engine=ctx)
+    assert ms["json_schema"]["2"] > 0 and "greedy" in ms
+
+
+def test_bench_serve_sends_the_response_format():
+    from splitserve.bench.serve.workloads import RESPONSE_FORMATS, Turn, request_body
+    turn = Turn("hi", 1, 4)
+    assert "response_format" not in request_body(turn, [], "m", True, False)
+    body = request_body(turn, [], "m", True, False, "json_schema")
+    assert body["response_format"] == RESPONSE_FORMATS["json_schema"]
