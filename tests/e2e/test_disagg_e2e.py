@@ -122,6 +122,8 @@ def test_structured_output_through_the_split(cluster):
         for url in (orch.url, gen.url):
             status, err = post(url + "/v1/chat/completions", {**CHAT, **bad})
             assert status == 400 and err["error"]["param"] == param, (url, err)
+    status, after = post(orch.url + "/v1/chat/completions", body)
+    assert status == 200 and after["choices"][0] == want["choices"][0]   # serving on
     assert leased(ctx) == 0
 
 

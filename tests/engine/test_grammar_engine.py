@@ -6,6 +6,7 @@ import json
 import numpy as np
 import pytest
 
+from splitserve.engine.grammar import GrammarFailed, advance, start_matcher
 from splitserve.engine.request import FinishReason
 from splitserve.protocol.engine import RemotePrefill
 from splitserve.protocol.grammar import CHOICE, JSON, REGEX, GrammarSpec
@@ -129,6 +130,23 @@ def test_resumed_tokens_advance_the_grammar(pair):
     want = tokens(run(ctx, "whole", p))
     out = run(ctx, "resumed", p, resumed=np.asarray(want[:4], np.int32))
     assert want[:4] + tokens(out) == want
+
+
+def test_final_only_output_and_a_bad_grammar_that_reached_the_engine(pair):
+    ctx, _ = pair
+    out = run(ctx, "whole", params(CHOICE_SPEC), stream=False)
+    assert len(out) == 1 and out[0].text in CHOICES
+    out = run(ctx, "bad", params(GrammarSpec(REGEX, "(a", "guided_regex")))
+    assert finals(out) == {-1: FinishReason.ERROR} and "guided_regex" in out[0].error
+    assert tokens(run(ctx, "after", params(CHOICE_SPEC)))          # the engine serves on
+
+
+def test_a_token_outside_the_grammar_ends_only_its_request(pair):
+    ctx, _ = pair
+    template = ctx.grammars.compiler.compile(CHOICE_SPEC)
+    matcher = start_matcher(template, [])
+    with pytest.raises(GrammarFailed):
+        advance(matcher, ctx.tokenizer.encode("{", add_special_tokens=False)[0])
 
 
 def test_bench_engine_times_the_grammar_mask(pair):
