@@ -2,7 +2,7 @@
 
 OpenAI's `response_format` (`json_object`, `json_schema`), vLLM's `structured_outputs`
 ({json, regex, choice, grammar}) and its older `guided_json`, `guided_regex`,
-`guided_choice`, `guided_grammar` all become one `GrammarSpec`: a kind and its source text.
+`guided_choice`, `guided_grammar`, `guided_json_object` all become one `GrammarSpec`: a kind and its source text.
 It rides in SamplingParams, so it crosses to the engine inside the EngineRequest and, as the
 client's own fields, in every body the orchestrator relays. It reads no prompt token
 values: a length-only (metadata) prompt takes it as any other.
@@ -73,6 +73,8 @@ def grammar_spec(get) -> GrammarSpec | None:
         value = get(name)
         if value is not None:
             found.append(_spec(kind, value, name))
+    if get("guided_json_object"):
+        found.append(GrammarSpec(JSON, ANY_JSON_OBJECT, "guided_json_object"))
     if len(found) > 1:
         raise InvalidRequestError(f"{found[1].field} cannot be combined with {found[0].field}: "
                                   "a request has at most one grammar", found[1].field)

@@ -166,10 +166,11 @@ FIELDS: dict[str, Field] = {f.name: f for f in [
               "multimodal and embedding inputs are not supported", _empty),
     *_implemented("structured_outputs", "structured output (vLLM): one of json, regex, "
                   "choice, grammar (Lark or GBNF), json_object"),
-    *_implemented("guided_json guided_regex guided_choice guided_grammar",
+    *_implemented("guided_json guided_regex guided_choice guided_grammar guided_json_object",
                   "structured output (vLLM's older names)"),
-    *_refused("structural_tag guided_decoding_backend guided_whitespace_pattern "
-              "guided_json_object", f"{_STRUCTURED}; llguidance is the one backend"),
+    *_refused("guided_decoding_backend", "llguidance compiles every grammar here",
+              _equals("auto", "guidance", "llguidance")),
+    *_refused("structural_tag guided_whitespace_pattern", _STRUCTURED),
     *_refused("priority", "requests are served in arrival order", _equals(0)),
     *_refused("request_id", "the server names each request itself"),
     *_refused("logits_processors", "custom logits processors are not supported", _empty),

@@ -79,6 +79,7 @@ class _BaseRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    guided_json_object: bool | None = None
 
     @property
     def _generation_only(self) -> bool:

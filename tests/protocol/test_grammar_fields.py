@@ -49,6 +49,8 @@ def spec_of(extra, chat=True):
     ({"guided_regex": "a+"}, REGEX, "a+", "guided_regex"),
     ({"guided_choice": ["a", "b"]}, CHOICE, '["a", "b"]', "guided_choice"),
     ({"guided_grammar": 'root ::= "a"'}, LARK, 'root ::= "a"', "guided_grammar"),
+    ({"guided_json_object": True, "guided_decoding_backend": "llguidance"}, JSON,
+     ANY_JSON_OBJECT, "guided_json_object"),
 ])
 @pytest.mark.parametrize("chat", [True, False])
 def test_every_spelling_becomes_one_spec(extra, kind, source, field, chat):

@@ -73,6 +73,7 @@ REFUSED_VALUES = {
     "min_repetition_pattern_size": (4, 0),
     "repetition_min_count": (3, 0),
     "priority": (5, 0),
+    "guided_decoding_backend": ("xgrammar", "llguidance"),
     "return_tokens_as_token_ids": (True, False),
     "return_token_ids": (True, False),
     "include_reasoning": (False, True),
