@@ -6,6 +6,7 @@ from __future__ import annotations
 import msgspec
 
 from splitserve.errors import InvalidRequestError
+from splitserve.protocol.grammar import GrammarSpec
 
 _MAX_LOGPROBS = 20
 # Bounds on what a client may ask for. Counts and token ids are int32 everywhere below the
@@ -47,6 +48,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     logprobs: int | None = None          # alternatives per generated token; 0: sampled only
     prompt_logprobs: int | None = None   # alternatives per prompt token; 0: prompt token only
     skip_special_tokens: bool = True
+    grammar: GrammarSpec | None = None   # structured output: what the answer must match
 
     def __post_init__(self):
         _check(1 <= self.n <= MAX_N, f"n must be between 1 and {MAX_N}", "n")

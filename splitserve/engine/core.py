@@ -17,6 +17,7 @@ from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.admission import (check_length_only, check_relayed_prompt,
                                          check_resumed, sibling_params)
 from splitserve.engine.failures import FailureHandling
+from splitserve.engine.grammar import GrammarFailed, GrammarRoom, advance, start_matcher
 from splitserve.engine.output import OutputBuilder
 from splitserve.engine.disagg import RemoteKV
 from splitserve.engine.prompt_reads import reads_prompt
@@ -25,6 +26,7 @@ from splitserve.engine.runner import ModelRunner, StepResult
 from splitserve.engine.sampler import Sampler, prompt_logprobs
 from splitserve.engine.scheduler import Scheduler
 from splitserve.errors import InvalidRequestError
+from splitserve.grammar_compile import GrammarCompiler
 from splitserve.model.llama import build_model
 from splitserve.model.loader import ModelSource, load_model_source
 from splitserve.protocol.engine import CompletionDelta, EngineRequest
@@ -59,6 +61,8 @@ class EngineCore(FailureHandling):
         self.remote_kv = RemoteKV(config.kv, self.block_manager, self.runner.kv_cache, cfg,
                                   config.torch_dtype, platform)
         self.output = OutputBuilder(self.tokenizer)
+        self.grammars = GrammarRoom(GrammarCompiler(self.tokenizer.to_json(), cfg.vocab_size,
+                                                    self.tokenizer.eos_token_ids))
         logger.info("engine: %s %s on %s, %d KV blocks of %d tokens, max_model_len %d", cfg.name,
                     str(config.torch_dtype).removeprefix("torch."), platform.name, num_blocks,
                     block_size, self.max_model_len)
@@ -74,7 +78,7 @@ class EngineCore(FailureHandling):
         everything it generated (its first-token fields and first_token_time included)."""
         rid, params, remote = request.request_id, request.params, request.remote
         prompt, resumed = request.prompt, request.resumed
-        if rid in self.scheduler.groups:
+        if rid in self.scheduler.groups or rid in self.grammars:
             raise InvalidRequestError(f"request id {rid!r} is already in use", "request_id")
         check_prompt(prompt, params, self.model_config.vocab_size, self.max_model_len)
         if request.disaggregated and params.n > 1:
@@ -92,14 +96,31 @@ class EngineCore(FailureHandling):
         if resumed is not None:
             check_resumed(prompt, params, resumed.array, request.disaggregated,
                           self.model_config.vocab_size, self.max_model_len)
+        if params.grammar is not None and self.grammars.cached(request) is None:
+            self.grammars.submit(request, hashes)   # admitted by a step once compiled
+            return
+        self._admit_guarded(request, hashes)
+
+    def _admit_guarded(self, request: EngineRequest, hashes: list[bytes] | None) -> None:
+        rid = request.request_id
         try:
             self._admit(request, hashes)
         except Exception:   # a bug admitting one request ends that request, not the engine
             logger.exception("engine: admitting request %s failed", rid)
             self._discard_group(rid)
-            self.pending.append(CompletionDelta(
-                rid, -1, [], "", finish_reason=int(FinishReason.ERROR),
-                error="internal error while admitting the request"))
+            self._reject(rid, FinishReason.ERROR, "internal error while admitting the request")
+
+    def _reject(self, rid: str, reason: FinishReason, error: str | None) -> None:
+        self.pending.append(CompletionDelta(rid, -1, [], "", finish_reason=int(reason),
+                                            error=error))
+
+    def _admit_compiled(self) -> None:
+        """Requests whose grammar finished compiling enter the scheduler (or fail)."""
+        for request, hashes, _, error in self.grammars.ready():
+            if error is None:
+                self._admit_guarded(request, hashes)
+            else:
+                self._reject(request.request_id, FinishReason.ERROR, error)
 
     def _admit(self, request: EngineRequest, hashes: list[bytes] | None) -> None:
         """The request's n sequences: the leader (index 0) holds the others until it forks
@@ -108,15 +129,18 @@ class EngineCore(FailureHandling):
         prompt, resumed, received_time = request.prompt, request.resumed, request.received
         eos = () if params.ignore_eos else self.model_config.eos_token_ids
         root = request.hash_root
+        template = None if params.grammar is None else self.grammars.cached(request)
         siblings = [Request(f"{rid}#{i}", prompt, sibling_params(params, i), eos,
                             self.max_model_len, received_time, group_id=rid, index=i,
-                            hash_root=root)
+                            hash_root=root, grammar=_matcher(template, []))
                     for i in range(1, n)]
+        resumed = None if resumed is None else resumed.tolist()
         # hashes: verified, so what its pulled KV is filed under in the prefix cache.
         leader = Request(f"{rid}#0" if n > 1 else rid, prompt, params, eos, self.max_model_len,
                          received_time, group_id=rid, kind=request.kind, remote=request.remote,
                          siblings=siblings, block_hashes=hashes, hash_root=root,
-                         resumed=None if resumed is None else resumed.tolist())
+                         resumed=resumed,
+                         grammar=_matcher(template, resumed or []))
         leader.pull_prompt = prompt.is_placeholder and reads_prompt(params, request.prompt_back)
         leader.prompt_back = leader.pull_prompt and request.prompt_back
         self.scheduler.add(leader)
@@ -130,6 +154,8 @@ class EngineCore(FailureHandling):
             self.output.detokenizer(leader).step(leader.output_token_ids)
 
     def abort_request(self, request_id: str) -> None:
+        if self.grammars.abort(request_id):   # still compiling: it never ran
+            self._reject(request_id, FinishReason.ABORT, None)
         for req in self.scheduler.groups.get(request_id, ()):
             if not req.is_finished:
                 self._guard(req, self.pending, "aborting", self._finish, req, FinishReason.ABORT,
@@ -153,12 +179,12 @@ class EngineCore(FailureHandling):
 
     # -- the step -------------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
-        return bool(self.groups)
+        return bool(self.groups) or bool(len(self.grammars))
 
     def has_runnable_work(self) -> bool:
         """False when every unfinished request waits on a KV pull: the loop may sleep."""
         s = self.scheduler
-        return bool(s.running or s.waiting or self.pending)
+        return bool(s.running or s.waiting or self.pending or len(self.grammars))
 
     def step(self) -> list[CompletionDelta]:
         """Never raises: a failure ends the request(s) it concerns with an error delta."""
@@ -172,6 +198,7 @@ class EngineCore(FailureHandling):
         return out
 
     def _step(self, out: list[CompletionDelta]) -> None:
+        self._admit_compiled()
         self._poll_remote_kv(out)
         sched = self.scheduler.schedule()
         self._batch = [*sched.scheduled, *sched.pulls]
@@ -235,7 +262,12 @@ class EngineCore(FailureHandling):
         """The output builder makes the token's delta; the scheduler records the token and
         says whether req ends with it (a context_only request hands its KV off here)."""
         delta, stop_string = self.output.token_delta(req, token, logprob)
-        reason = self.scheduler.append_token(req, token, stop_string)
+        try:
+            ended = req.grammar is not None and advance(req.grammar, token)
+        except GrammarFailed as exc:   # this request's grammar, not the engine, broke down
+            self._finish(req, FinishReason.ERROR, out, error=str(exc))
+            return
+        reason = self.scheduler.append_token(req, token, stop_string, ended)
         if reason is None:
             self.output.emit(req, delta, out)
             return
@@ -286,3 +318,8 @@ class EngineCore(FailureHandling):
     @property
     def num_waiting(self) -> int:
         return self.scheduler.num_waiting
+
+
+def _matcher(template, output_tokens: list[int]):
+    """A sequence's own grammar matcher (None without a grammar)."""
+    return None if template is None else start_matcher(template, output_tokens)

@@ -76,11 +76,11 @@ class RequestQueues:
         self.bm.cache_full_blocks(req)
 
     def append_token(self, req: Request, token: int, stop_string: str | None = None,
-                     ) -> FinishReason | None:
+                     grammar_ended: bool = False) -> FinishReason | None:
         """req sampled `token` (stop_string: the stop string the detokenizer matched with
-        it). Why req ends with it, if it does: EOS, a stop token id, a stop string,
-        max_tokens, and a context_only request after its first token (HANDOFF), in that
-        order. The caller builds the final delta, then calls finish()."""
+        it; grammar_ended: its grammar is complete with it). Why req ends with it, if it
+        does: EOS, a stop token id, a stop string, its grammar's end, max_tokens, and a
+        context_only request after its first token (HANDOFF), in that order. The caller builds the final delta, then calls finish()."""
         req.output_token_ids.append(token)
         if req.is_stop_token(token):
             if token not in req.eos_token_ids:
@@ -88,6 +88,8 @@ class RequestQueues:
             return FinishReason.STOP
         if stop_string is not None:
             req.stop_reason = stop_string
+            return FinishReason.STOP
+        if grammar_ended:
             return FinishReason.STOP
         if req.num_output_tokens >= req.max_tokens:
             return FinishReason.LENGTH

@@ -62,14 +62,15 @@ class Request:
                  index: int = 0, kind: RequestKind = RequestKind.AGGREGATED,
                  remote: RemotePrefill | None = None, siblings: list[Request] | None = None,
                  block_hashes: list[bytes] | None = None, resumed: list[int] | None = None,
-                 hash_root: bytes = b""):
+                 hash_root: bytes = b"", grammar=None):
         """received_time: the wall clock the engine process took it off its input socket
         (default now); waiting from then on for a step to end is queue time. An n > 1
         request's sequence `index` is child `index` of `group_id`; the leader (index 0) holds
         its not-yet-forked `siblings`, which wait for it. block_hashes: a relayed prompt's,
         verified against its KV handle. resumed: output streamed by another worker before a
         migration: it counts as this sequence's output. hash_root: where its chained block
-        hashes start (protocol/block_hashes.salted_root of its cache_salt; b"": none)."""
+        hashes start (protocol/block_hashes.salted_root of its cache_salt; b"": none).
+        grammar: its own matcher (engine/grammar.py), advanced over `resumed`; None: free text."""
         self.request_id = request_id
         self.prompt = prompt
         self.params = params
@@ -87,6 +88,7 @@ class Request:
         self.block_ids: np.ndarray = NO_BLOCKS
         self.block_hashes: list[bytes] = block_hashes or []   # chained, of full prompt+output blocks
         self.hash_root = hash_root
+        self.grammar = grammar
         self.stop_reason: int | str | None = None  # the stop token id or string that ended it
         self.error: str | None = None
         self.group_id = request_id if group_id is None else group_id

@@ -1,8 +1,8 @@
 """Sampler: turns one decode step's logits into one token per request (vLLM semantics).
 
 Order per row: logit_bias -> min_tokens (forbid eos / stop ids) -> repetition penalty ->
-frequency / presence penalties -> greedy argmax, or temperature -> top_k -> top_p -> min_p ->
-a random draw. Rows only pay for what their parameters ask for: a batch of plain greedy rows
+frequency / presence penalties -> the grammar's token mask (structured output) -> greedy
+argmax, or temperature -> top_k -> top_p -> min_p -> a random draw. Rows only pay for what their parameters ask for: a batch of plain greedy rows
 costs one argmax over (B, V) and no Python loop over the vocabulary.
 
 Logprobs are "raw": log_softmax of the model's logits as given, before bias, penalties and
@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from splitserve.engine import seeded
+from splitserve.engine.grammar import allowed_tokens
 from splitserve.engine.request import Request
 from splitserve.protocol.engine import Logprob
 
@@ -64,6 +65,7 @@ class Sampler:
                              f"vocabulary ({self.vocab_size})")
         raw = logits[:, :self.vocab_size].float()            # (B, V), a view when float32
         x = self._adjust(raw, requests)                      # (B, V), raw itself if untouched
+        x = self._constrain(x, raw, requests)
         greedy = [i for i, r in enumerate(requests) if r.params.greedy]
         if len(greedy) == len(requests):
             tokens = x.argmax(dim=-1)                        # (B,)
@@ -93,6 +95,23 @@ class Sampler:
                 x = raw.clone()
             self._adjust_row(x[i], req, masks_eos)
         return raw if x is None else x
+
+    def _constrain(self, x: Tensor, raw: Tensor, requests: list[Request]) -> Tensor:
+        """Structured output: tokens a row's grammar forbids get -inf, before greedy argmax
+        and before temperature, top-k and top-p, so no draw or argmax can leave the grammar.
+        One mask for all such rows; rows without a grammar are not touched."""
+        rows = [i for i, r in enumerate(requests) if r.grammar is not None]
+        if not rows:
+            return x
+        allowed = allowed_tokens([requests[i].grammar for i in rows], self.vocab_size,
+                                 x.device)                                  # (G, V)
+        if len(rows) == len(requests):   # one pass, a new tensor: raw stays as it was
+            return torch.where(allowed, x, float("-inf"))
+        if x is raw:
+            x = raw.clone()
+        idx = torch.tensor(rows, device=x.device)
+        x[idx] = torch.where(allowed, x[idx], float("-inf"))
+        return x
 
     def _adjust_row(self, row: Tensor, req: Request, masks_eos: bool) -> None:
         """In place on one (V,) row."""

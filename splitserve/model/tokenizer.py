@@ -67,6 +67,10 @@ class Tokenizer:
         kwargs.update(changes)
         return Tokenizer(self._tk, **kwargs)
 
+    def to_json(self) -> str:
+        """The wrapped tokenizer as tokenizer.json text (what grammar compilers read)."""
+        return self._tk.to_str()
+
     # -- ids ----------------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> np.ndarray:
         """int32 ids (1-D). Special-token text such as "<|im_start|>" always maps to its

@@ -9,6 +9,7 @@ from __future__ import annotations
 import orjson
 
 from splitserve.errors import InvalidRequestError
+from splitserve.protocol.grammar import grammar_spec
 from splitserve.protocol.cache_salt import check_cache_salt
 from splitserve.protocol.disagg import RELAY_MODES
 from splitserve.protocol.logprob_bound import check_generation_logprobs
@@ -79,6 +80,7 @@ def check_fields(body: dict, chat: bool, unknown: UnknownFields,
     trust_templates: the cluster's --trust-request-chat-template."""
     endpoint = CHAT if chat else COMPLETIONS
     refuse_unsupported(body.get, endpoint)
+    grammar_spec(body.get)   # its shape; whether it compiles, the worker's tokenizer says
     if chat:
         refuse_request_template(body.get("chat_template"), trust_templates)
     unknown.check(body, endpoint)

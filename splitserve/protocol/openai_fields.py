@@ -46,10 +46,6 @@ def _equals(*values) -> Callable[[Any, Callable], bool]:
     return accepts
 
 
-def _text_format(value, get) -> bool:
-    return value is None or (isinstance(value, dict) and value.get("type") == "text")
-
-
 def _tools(value, get) -> bool:
     """No tool may be called: none given, or tool_choice "none" (the tools then reach the
     chat template, as vLLM renders them)."""
@@ -64,7 +60,6 @@ def _tool_choice(value, get) -> bool:
 
 
 _unset.shown, _false.shown, _empty.shown = "null", "null, false", "null, [], {}"
-_text_format.shown = 'null, {"type": "text"}'
 _tools.shown = 'null, [], any list of function tools with tool_choice "none"'
 _tool_choice.shown = 'null, "none"; "auto" or "required" with "tools": []'
 
@@ -93,7 +88,7 @@ def _refused(names: str, why: str, accepts=_unset, endpoints=BOTH) -> list[Field
     return [Field(n, endpoints, REFUSED, why, accepts) for n in names.split()]
 
 
-_STRUCTURED = "structured output is not supported yet"
+_STRUCTURED = "not supported"
 _TOOLS = "tool calling is not supported yet"
 
 FIELDS: dict[str, Field] = {f.name: f for f in [
@@ -119,8 +114,8 @@ FIELDS: dict[str, Field] = {f.name: f for f in [
     *_implemented("messages", "the conversation, rendered by the model's chat template",
                   (CHAT,)),
     *_implemented("max_completion_tokens top_logprobs", "as max_tokens, logprobs", (CHAT,)),
-    *_refused("response_format", f"{_STRUCTURED}; only {{\"type\": \"text\"}} is accepted",
-              _text_format),
+    *_implemented("response_format", "text, json_object, or json_schema (with strict): "
+                  "the answer is constrained to the schema (structured output)"),
     *_refused("tools", f"{_TOOLS}; tools are accepted only with tool_choice \"none\"",
               _tools, (CHAT,)),
     *_refused("tool_choice", f"{_TOOLS}; only \"none\" is accepted", _tool_choice, (CHAT,)),
@@ -169,9 +164,13 @@ FIELDS: dict[str, Field] = {f.name: f for f in [
               endpoints=(CHAT,)),
     *_refused("mm_processor_kwargs media_io_kwargs prompt_embeds",
               "multimodal and embedding inputs are not supported", _empty),
-    *_refused("structured_outputs guided_json guided_regex guided_choice guided_grammar "
-              "structural_tag guided_decoding_backend guided_whitespace_pattern "
-              "guided_json_object", _STRUCTURED),
+    *_implemented("structured_outputs", "structured output (vLLM): one of json, regex, "
+                  "choice, grammar (Lark or GBNF), json_object"),
+    *_implemented("guided_json guided_regex guided_choice guided_grammar guided_json_object",
+                  "structured output (vLLM's older names)"),
+    *_refused("guided_decoding_backend", "llguidance compiles every grammar here",
+              _equals("auto", "guidance", "llguidance")),
+    *_refused("structural_tag guided_whitespace_pattern", _STRUCTURED),
     *_refused("priority", "requests are served in arrival order", _equals(0)),
     *_refused("request_id", "the server names each request itself"),
     *_refused("logits_processors", "custom logits processors are not supported", _empty),

@@ -21,6 +21,7 @@ import msgspec
 from splitserve.errors import InvalidRequestError
 from splitserve.protocol.cache_salt import check_cache_salt
 from splitserve.protocol.disagg import DisaggregatedParams
+from splitserve.protocol.grammar import ResponseFormat, grammar_spec
 from splitserve.protocol.openai_fields import (
     CHAT, COMPLETIONS, UnknownFields, refuse_obfuscation, refuse_unsupported)
 from splitserve.sampling_params import INT32_MAX, MAX_N, MAX_STOP, SamplingParams
@@ -71,6 +72,14 @@ class _BaseRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     # Requests share prefix-cache blocks only if they share it (protocol/cache_salt.py)
     cache_salt: str | None = None
     disaggregated_params: DisaggregatedParams | None = None
+    # Structured output (protocol/grammar.py): at most one of these
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_json_object: bool | None = None
 
     @property
     def _generation_only(self) -> bool:
@@ -88,6 +97,7 @@ class _BaseRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
         _check(self.best_of is None or self.best_of == (self.n or 1),
                "best_of is not supported (it must equal n)", "best_of")
         check_cache_salt(self.cache_salt)
+        self.grammar()   # a bad response_format or guided_* field is a 400 at decoding
 
     @property
     def include_usage(self) -> bool:
@@ -114,7 +124,12 @@ class _BaseRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
             stop_token_ids=tuple(self.stop_token_ids or ()),
             include_stop_str_in_output=bool(self.include_stop_str_in_output),
             ignore_eos=bool(self.ignore_eos), logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-            skip_special_tokens=pick(self.skip_special_tokens, True))
+            skip_special_tokens=pick(self.skip_special_tokens, True),
+            grammar=self.grammar())
+
+    def grammar(self):
+        """Structured output's GrammarSpec, or None (protocol/grammar.py)."""
+        return grammar_spec(lambda name: getattr(self, name))
 
 
 class CompletionRequest(_BaseRequest, kw_only=True, omit_defaults=True):

@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 
+from splitserve.grammar_compile import GrammarCompiler
 from splitserve.errors import InvalidRequestError
 from splitserve.gc_policy import ServingGC
 from splitserve.httpd import ChunkedStream, HTTPServer, Request, Response, json_response
@@ -69,6 +70,10 @@ class WorkerServer:
         source = load_model_source(config.engine.model, config.engine.load_format)
         self.tokenizer = with_template_file(source.tokenizer, config.chat_template)
         self.pool = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tokenize")
+        # Structured output: every grammar is compiled here, in the pool, before its request
+        # reaches the engine (a bad one is a 400); cached by spec.
+        self.grammars = GrammarCompiler(self.tokenizer.to_json(), self.tokenizer.vocab_size,
+                                        self.tokenizer.eos_token_ids)
         self.gc = ServingGC()
         self.metrics = ServerMetrics()
         self.model_name = config.served_model_name

@@ -66,6 +66,7 @@ class GenerateHandlers:
         self._internal_only(request, req)
         self.server.check_model(req.model)
         params = req.sampling_params()
+        await self._check_grammar(params)
         if request_kind(req) == RequestKind.GENERATION_ONLY:
             (prompts, remote), texts = self._relayed(req, params), None
         else:
@@ -83,12 +84,20 @@ class GenerateHandlers:
         self._internal_only(request, req)
         self.server.check_model(req.model)
         params = req.sampling_params()
+        await self._check_grammar(params)
         if request_kind(req) == RequestKind.GENERATION_ONLY:
             prompts, remote = self._relayed(req, params)
         else:
             prompts, remote = [await self._chat_prompt(req)], None
         requests = self._engine_requests(request, req, prompts, params, remote)
         return await self._respond(request, req, requests, (), arrival)
+
+    async def _check_grammar(self, params: SamplingParams) -> None:
+        """Structured output: the grammar compiles (cached by spec), in the tokenizer pool,
+        or the request is a 400 naming its field before it reaches the engine."""
+        if params.grammar is not None:
+            grammars = self.server.grammars
+            await self.server.in_pool(lambda: grammars.check(params.grammar))
 
     def _internal_only(self, request: Request, req) -> None:
         """The front door (WorkerServer.dispatch) refused a body carrying

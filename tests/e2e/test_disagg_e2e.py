@@ -1,8 +1,10 @@
 """The disaggregated path with real processes: orchestrator -> CTX worker -> GEN worker,
 KV pulled over TCP, on the tiny model (float32 so greedy output is exact)."""
 
+import json
 import time
 
+import openai
 import pytest
 
 from server_utils import Orchestrator, Worker, metrics, post, stream
@@ -78,11 +80,51 @@ def test_request_fields_hold_through_the_split(cluster):
         text = "".join(c["delta"].get("content") or "" for e in events[:-1]
                        for c in e["choices"])
         assert text.startswith("Once") and (max_tokens == 1 or text == content)
-    for refused in ({"response_format": {"type": "json_object"}},
+    for refused in ({"guided_decoding_backend": "xgrammar"},
                     {"chat_template": "{{ messages }}"}):   # not trusted by these workers
         answers = [post(url + path, {**CHAT, **refused}) for url in (orch.url, gen.url)]
         assert answers[0] == answers[1] and answers[0][0] == 400
         assert answers[0][1]["error"]["param"] == next(iter(refused))
+
+
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"},
+          "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+          "required": ["ok", "n"], "additionalProperties": False}
+
+
+def _satisfies(text: str) -> bool:
+    value = json.loads(text)
+    return set(value) == {"ok", "n"} and isinstance(value["ok"], bool) and 0 <= value["n"] <= 9
+
+
+def test_structured_output_through_the_split(cluster):
+    """json_schema with the official client (whole, streamed, sampled); greedy under a
+    grammar, disaggregated == aggregated for every relay mode; a bad grammar is a 400."""
+    ctx, gen, orch = cluster
+    client = openai.OpenAI(base_url=orch.url + "/v1", api_key="none", max_retries=0)
+    fmt = {"type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA, "strict": True}}
+    ask = dict(model="tiny-random", messages=CHAT["messages"], max_tokens=40,
+               response_format=fmt)
+    answer = client.chat.completions.create(temperature=0, **ask)
+    assert _satisfies(answer.choices[0].message.content)
+    assert answer.choices[0].finish_reason == "stop"
+    chunks = client.chat.completions.create(temperature=1.0, seed=3, stream=True, **ask)
+    assert _satisfies("".join(c.choices[0].delta.content or "" for c in chunks if c.choices))
+    body = {**CHAT, "max_tokens": 40, "response_format": fmt}
+    _, want = post(gen.url + "/v1/chat/completions", body)
+    for relay in ("list", "b64", "metadata"):
+        status, got = post(orch.url + "/v1/chat/completions", {**body, "token_relay": relay})
+        assert status == 200 and got["choices"][0] == want["choices"][0], relay
+    for bad, param in [({"response_format": {"type": "bogus"}}, "response_format"),
+                       ({"guided_regex": "(a"}, "guided_regex"),
+                       ({"guided_json": {"type": "string", "minLength": 3, "maxLength": 1}},
+                        "guided_json")]:
+        for url in (orch.url, gen.url):
+            status, err = post(url + "/v1/chat/completions", {**CHAT, **bad})
+            assert status == 400 and err["error"]["param"] == param, (url, err)
+    status, after = post(orch.url + "/v1/chat/completions", body)
+    assert status == 200 and after["choices"][0] == want["choices"][0]   # serving on
+    assert leased(ctx) == 0
 
 
 def test_context_worker_finishes_short_requests(cluster):

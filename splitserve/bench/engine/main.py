@@ -166,7 +166,8 @@ def _write(args, result: dict) -> dict:
 
 def _sampler(engine: EngineCore, args) -> dict:
     from splitserve.bench.engine.sampler_timing import sampler_ms
-    ms = sampler_ms(engine.model_config.vocab_size, args.batch_sizes)
+    ms = sampler_ms(engine.model_config.vocab_size, args.batch_sizes,
+                    engine=engine if args.grammar else None)
     for kind, per_batch in ms.items():
         print(f"  sampler, {kind:>8} rows: " + ", ".join(
             f"batch {b} {t:.3f} ms" for b, t in per_batch.items()))
@@ -225,4 +226,7 @@ def add_arguments(p) -> None:
     p.add_argument("--sampler", action="store_true",
                    help="time the sampler alone instead (random logits of the model's "
                         "vocabulary; greedy, unseeded and seeded rows, per --batch-sizes)")
+    p.add_argument("--grammar", action="store_true",
+                   help="with --sampler: also greedy rows under a JSON schema (structured "
+                        "output's token mask, filled and applied each step)")
     p.add_argument("--json", default=None, help="write the results here")

@@ -64,14 +64,16 @@ class ServeClient:
     """Sends one turn and fills its RequestRecord; never raises for a failed request."""
 
     def __init__(self, http: aiohttp.ClientSession, url: str, endpoint: str, model: str,
-                 stream: bool):
+                 stream: bool, response_format: str = "text"):
         self.http, self.model, self.stream = http, model, stream
+        self.response_format = response_format
         self.chat = endpoint == "chat"
         self.url = url.rstrip("/") + ("/v1/chat/completions" if self.chat else "/v1/completions")
 
     async def send(self, rec: M.RequestRecord, turn: Turn, history: list[dict]) -> str:
         """The answer's text ("" on failure)."""
-        body = workloads.request_body(turn, history, self.model, self.chat, self.stream)
+        body = workloads.request_body(turn, history, self.model, self.chat, self.stream,
+                                      self.response_format)
         data = msgspec.json.encode(body)
         t0 = time.perf_counter()
         try:

@@ -104,7 +104,8 @@ async def benchmark(cfg: ServeBenchConfig) -> dict:
     async with aiohttp.ClientSession(connector=connector, headers=headers,
                                      timeout=aiohttp.ClientTimeout(total=cfg.timeout)) as http:
         model = cfg.model or await served_model(http, cfg.url)
-        client = ServeClient(http, cfg.url, cfg.workload.endpoint, model, cfg.stream)
+        client = ServeClient(http, cfg.url, cfg.workload.endpoint, model, cfg.stream,
+                             cfg.workload.response_format)
         if cfg.warmup:
             warm_cfg = dataclasses.replace(cfg.workload, seed=cfg.workload.seed + 1)
             await Load(client.send, Budget(cfg.warmup, None)).closed_loop(

@@ -65,6 +65,7 @@ class WorkloadConfig:
     long_fraction: float = 0.1
     long_len_min: int = 2000
     long_len_max: int = 6000
+    response_format: str = "text"          # text, json_object or json_schema (RESPONSE_FORMATS)
     # Fresh by default: a rerun against the same server must not find its prompts in the
     # prefix cache. The seed is recorded with the results; pass it to repeat a run exactly.
     seed: int = field(default_factory=lambda: int.from_bytes(os.urandom(4), "little"))
@@ -72,6 +73,9 @@ class WorkloadConfig:
     def __post_init__(self):
         if self.kind not in WORKLOADS:
             raise ValueError(f"workload must be one of {WORKLOADS}, got {self.kind!r}")
+        if self.response_format not in RESPONSE_FORMATS:
+            raise ValueError(f"response_format must be one of {list(RESPONSE_FORMATS)}, got "
+                             f"{self.response_format!r}")
         if self.endpoint not in ("completions", "chat"):
             raise ValueError(f"endpoint must be completions or chat, got {self.endpoint!r}")
         if self.kind in CHAT_ONLY and self.endpoint != "chat":
@@ -103,11 +107,26 @@ class Session:
     conversation: int = 0
 
 
-def request_body(turn: Turn, history: list[dict], model: str, chat: bool, stream: bool) -> dict:
+# Structured output's load: a schema whose one free string runs until max_tokens as often as
+# unconstrained text does, so the two compare at the same output lengths.
+RESPONSE_FORMATS = {
+    "text": None,
+    "json_object": {"type": "json_object"},
+    "json_schema": {"type": "json_schema", "json_schema": {"name": "answer", "strict": True,
+                    "schema": {"type": "object", "properties": {"answer": {"type": "string"}},
+                               "required": ["answer"], "additionalProperties": False}}},
+}
+
+
+def request_body(turn: Turn, history: list[dict], model: str, chat: bool, stream: bool,
+                 response_format: str = "text") -> dict:
     """The OpenAI request for one turn. ignore_eos + max_tokens make output lengths exact on
-    servers that know ignore_eos (others ignore the extra field); greedy, like vLLM's bench."""
+    servers that know ignore_eos (others ignore the extra field; a grammar that completes
+    ends its answer early); greedy, like vLLM's bench."""
     body = {"model": model, "max_tokens": turn.output_len, "ignore_eos": True,
             "temperature": 0.0, "stream": stream}
+    if RESPONSE_FORMATS[response_format] is not None:
+        body["response_format"] = RESPONSE_FORMATS[response_format]
     if chat:
         body["messages"] = [*history, {"role": "user", "content": turn.prompt}]
     else:
@@ -130,6 +149,8 @@ def add_arguments(p) -> None:
     p.add_argument("--long-fraction", type=float, default=0.1, help="mixed: share of long prompts")
     p.add_argument("--long-len-min", type=int, default=2000, help="mixed")
     p.add_argument("--long-len-max", type=int, default=6000, help="mixed")
+    p.add_argument("--response-format", choices=list(RESPONSE_FORMATS), default="text",
+                   help="structured output for every request: json_schema is one free string")
     p.add_argument("--seed", type=int, default=None,
                    help="prompts and arrivals (default: fresh each run, recorded in the JSON)")
 
@@ -142,6 +163,7 @@ def config_from_args(args) -> WorkloadConfig:
         range_ratio=args.range_ratio, num_prefix_groups=args.num_prefix_groups,
         prefix_len=args.prefix_len, turns=args.turns, long_fraction=args.long_fraction,
         long_len_min=args.long_len_min, long_len_max=args.long_len_max,
+        response_format=args.response_format,
         **({} if args.seed is None else {"seed": args.seed}))
 
 
