@@ -17,8 +17,9 @@ sends a draw of the pool's requests at random moments while injecting faults
    healthy again.
 
 Exit status 0 only if every check of every schedule held. The JSON result: seed,
-schedules, requests, outcomes, faults_injected by kind, violations (each with the seed and
-schedule that replay it), seconds, machine.
+schedules, requests, outcomes, errors (the clear errors clients got, by message),
+faults_injected by kind, violations (each with the seed and schedule that replay it),
+seconds, shape, machine.
 """
 
 from __future__ import annotations
@@ -26,13 +27,12 @@ from __future__ import annotations
 import json
 import os
 import platform
-import random
 import sys
 import time
 from collections import Counter
 
 from splitserve.bench.chaos.cluster import ChaosCluster, Shape
-from splitserve.bench.chaos.faults import CLIENT_CUT, ENDS_CONNECTIONS, draw_faults, inject
+from splitserve.bench.chaos.faults import CLIENT_CUT, ENDS_CONNECTIONS, draw_schedule, inject
 from splitserve.bench.chaos.workload import Call, request_pool
 
 DEADLINE = 60.0          # seconds a request may take, faults included
@@ -101,6 +101,7 @@ class Campaign:
         self.args, self.cluster, self.pool, self.clean = args, cluster, pool, clean
         self.faults: Counter = Counter()
         self.outcomes: Counter = Counter()
+        self.errors: Counter = Counter()     # the clear errors clients got, by message
         self.violations: list[dict] = []
 
     def run(self, indices) -> dict:
@@ -108,6 +109,7 @@ class Campaign:
             self.schedule(k)
         return {"seed": self.args.seed, "schedules": len(indices),
                 "requests": sum(self.outcomes.values()), "outcomes": dict(self.outcomes),
+                "errors": dict(self.errors.most_common()),
                 "faults_injected": dict(sorted(self.faults.items())),
                 "violations": self.violations}
 
@@ -117,13 +119,11 @@ class Campaign:
               file=sys.stderr)
 
     def schedule(self, k: int) -> None:
-        rng = random.Random(f"schedule:{self.args.seed}:{k}")
-        picks = [rng.randrange(len(self.pool)) for _ in range(self.args.requests)]
-        starts = sorted(round(rng.uniform(0, self.args.span), 3) for _ in picks)
-        faults = draw_faults(rng, self.args.span, self.args.faults)
-        calls = [Call(self.cluster.port, self.pool[i], DEADLINE) for i in picks]
-        ended = self._play(calls, starts, faults)
-        for call, i in zip(calls, picks):
+        a = self.args
+        s = draw_schedule(a.seed, k, len(self.pool), a.requests, a.span, a.faults)
+        calls = [Call(self.cluster.port, self.pool[i], DEADLINE) for i in s.picks]
+        ended = self._play(calls, s.starts, s.faults)
+        for call, i in zip(calls, s.picks):
             self._check_request(k, call, i, ended)
         self._check_settled(k)
 
@@ -150,6 +150,8 @@ class Campaign:
     def _check_request(self, k: int, call: Call, i: int, orchestrator_ends: list[float]) -> None:
         out = call.join()
         self.outcomes[out.kind] += 1
+        if out.kind == "error":
+            self.errors[out.detail] += 1
         if out.kind in ("error", "cut"):
             return
         if out.kind == "text":
