@@ -23,6 +23,9 @@ def _bench(args) -> int:
     elif args.bench_cmd == "frontend":
         from splitserve.bench.frontend import main as frontend
         return frontend.run(args)
+    elif args.bench_cmd == "chaos":
+        from splitserve.bench.chaos import main as chaos
+        return chaos.run(args)
     elif args.bench_cmd == "plot":
         from splitserve.bench import plot
         for path in plot.run(args):
@@ -291,6 +294,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench_frontend.add_arguments(bench_sub.add_parser(
         "frontend", help="the GEN front-end's cost per token relay mode vs prompt length "
                          "and concurrency"))
+    from splitserve.bench.chaos import main as bench_chaos
+    bench_chaos.add_arguments(bench_sub.add_parser(
+        "chaos", help="a randomized fault campaign against a local cluster, checking "
+                      "invariants; exit 0 only if all hold"))
     from splitserve.bench import plot as bench_plot
     bench_plot.add_arguments(bench_sub.add_parser(
         "plot", help="PNG plots (latency CDFs, metric vs concurrency) from `bench serve` results"))

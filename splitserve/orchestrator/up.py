@@ -44,6 +44,7 @@ def worker_command(args, role: str, port: int, cpus: WorkerPlan) -> list[str]:
     cmd = [sys.executable, "-m", "splitserve.cli", "--log-level", args.log_level, "serve",
            "--role", role, "--port", str(port), "--host", args.worker_host, "--dtype", args.dtype,
            "--kv-backend", args.kv_backend, "--kv-cache-gib", str(args.kv_cache_gib),
+           "--kv-lease-seconds", str(args.kv_lease_seconds),
            "--threads", str(cpus.engine_threads), "--cpus", format_cpus(cpus.engine_cpus),
            "--frontend-cpus", format_cpus(cpus.frontend_cpus),
            "--device", args.device, "--register", local_url(args.host, args.port)]

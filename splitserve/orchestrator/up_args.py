@@ -34,11 +34,13 @@ def add_arguments(p) -> None:
     p.add_argument("--orchestrators", type=int, default=ClusterConfig.processes,
                    help="orchestrator processes serving --port together, SO_REUSEPORT "
                         "(default: %(default)s)")
-    add_flags(p, EngineConfig, "--threads", "--kv-backend", "--kv-cache-gib",
+    add_flags(p, EngineConfig, "--threads", "--kv-backend", "--kv-cache-gib", "--kv-lease-seconds",
               help={"--threads": "torch threads of each worker's engine (default: one per CPU "
                                  "it gets)",
                     "--kv-backend": "how KV moves from CTX to GEN workers",
-                    "--kv-cache-gib": "each worker's KV cache size in GiB"},
+                    "--kv-cache-gib": "each worker's KV cache size in GiB",
+                    "--kv-lease-seconds": "seconds a context worker holds a prompt's KV for "
+                                          "its pull"},
               choices={"--kv-backend": KV_BACKENDS})
     p.add_argument("--ctx-router", default="prefix_aware")
     p.add_argument("--gen-router", default="least_loaded")

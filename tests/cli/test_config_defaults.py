@@ -71,6 +71,13 @@ def test_up_starts_workers_on_the_configs_defaults():
     assert same_worker(worker, expected)
 
 
+def test_ups_kv_lease_reaches_every_worker():
+    args = parse("up", "--kv-lease-seconds", "3")
+    args.log_level = "INFO"
+    argv = worker_command(args, "ctx", 9001, WorkerPlan((1,), 1, (0,)))
+    assert server_config(parse(*argv[argv.index("--log-level"):]), 1).engine.kv.lease_seconds == 3
+
+
 def test_ups_orchestrator_is_the_configs_defaults():
     config = cluster_config(parse("up"), {"SPLITSERVE_INTERNAL_SECRET": "s"})
     defaults = ClusterConfig(PoolConfig(()), PoolConfig(()))

@@ -1,0 +1,1 @@
+"""`splitserve bench chaos`: a randomized fault campaign with invariants (main.py)."""
