@@ -32,7 +32,7 @@ from splitserve import envs
 logger = logging.getLogger(__name__)
 
 _SOURCES = Path(__file__).parent
-KERNELS = ("attention", "attention_decode", "elementwise", "gemv", "pool")
+KERNELS = ("attention", "attention_decode", "elementwise", "gemv", "gemv_bf16", "pool")
 # -ffp-contract=fast: ISO C mode would otherwise keep every a * b + c as two roundings and
 # two instructions, where the kernels want one FMA.
 FLAGS = ("-O3", "-fPIC", "-shared", "-std=c11", "-ffp-contract=fast", "-fno-math-errno",
@@ -67,7 +67,7 @@ def load(name: str) -> ctypes.CDLL | None:
 
 
 def status() -> str:
-    """What the engine's float32 kernels run as here, for log lines and reports. Builds them
+    """What the engine's C kernels run as here, for log lines and reports. Builds them
     all first if need be (about a second each, once per machine), so an engine that asks at
     start does not build one during its first request."""
     if not envs.native_kernels():

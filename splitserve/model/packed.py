@@ -12,6 +12,9 @@ the weights are loaded and any (tied) weight still needed elsewhere is kept as i
 
 Float32 weights on one torch thread go to the C kernel's own layout instead
 (splitserve/model/native_linear.py), faster still for decode; packed_linear chooses.
+Bfloat16 weights on one thread of a CPU with AVX512-BF16 keep both: the C kernel is faster
+for a step of one or two rows, where the weights' bytes set the pace, and oneDNN (AMX where
+the CPU has it) from a few rows on, where the multiplies do (docs/tuning.md, the crossover).
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from splitserve.model.native_linear import NativeLinear, TileMemory
 
 # oneDNN picks its blocking for an expected row count; decode batches are this small.
 _BATCH_HINT = 8
+# Rows up to which the bfloat16 C kernel runs rather than oneDNN (docs/tuning.md).
+NATIVE_BF16_MAX_ROWS = 2
 
 
 def packing_supported(dtype: torch.dtype) -> bool:
@@ -53,12 +58,32 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, packed"
 
 
+class RowSplitLinear(nn.Module):
+    """y = x @ W.T + b by `few` (a NativeLinear) for inputs of up to `max_rows` rows and by
+    `many` (a PackedLinear) beyond: two copies of W, one per layout, each run where it is
+    the faster."""
+
+    def __init__(self, few: NativeLinear, many: PackedLinear, max_rows: int):
+        super().__init__()
+        self.few, self.many, self.max_rows = few, many, max_rows
+        self.out_features, self.in_features = few.out_features, few.in_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        return self.few(x) if rows <= self.max_rows else self.many(x)
+
+
 def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None = None,
                   memory: TileMemory | None = None) -> nn.Module:
-    """The C kernel's layer where it applies (float32, one thread), else a PackedLinear.
-    Either holds the one copy of the weight, in its own layout."""
+    """The C kernel's layer where it applies (float32 or, with AVX512-BF16, bfloat16 on one
+    thread), else a PackedLinear. A float32 layer holds the one copy of the weight, in its
+    own layout; a bfloat16 one also a PackedLinear for many rows (RowSplitLinear)."""
     native = NativeLinear.create(weight, bias, memory)
-    return native if native is not None else PackedLinear(weight, bias)
+    if native is None:
+        return PackedLinear(weight, bias)
+    if native.dtype == torch.bfloat16 and packing_supported(torch.bfloat16):
+        return RowSplitLinear(native, PackedLinear(weight, bias), NATIVE_BF16_MAX_ROWS)
+    return native
 
 
 def pack_linears(module: nn.Module) -> int:

@@ -14,6 +14,7 @@ import torch
 
 from splitserve import envs
 from splitserve.model import native_pool
+from splitserve.model.native_linear import native_linear_supported
 from splitserve.platforms.base import Platform
 
 logger = logging.getLogger(__name__)
@@ -75,9 +76,11 @@ class CpuPlatform(Platform):
 
     def start_helpers(self, dtype: torch.dtype) -> str:
         """The C kernels' helper thread on SPLITSERVE_ENGINE_HELPER_CPU when this engine
-        runs them (float32) on one torch thread (native_pool.py)."""
+        runs them (float32, or bfloat16 linears where the CPU has AVX512-BF16) on one torch
+        thread (native_pool.py)."""
         cpu = envs.engine_helper_cpu()
-        if cpu is None or dtype != torch.float32 or torch.get_num_threads() != 1:
+        native = dtype == torch.float32 or native_linear_supported(dtype)
+        if cpu is None or not native or torch.get_num_threads() != 1:
             return ""
         return f", kernels borrow CPU {cpu}'s idle time" if native_pool.start(cpu) else ""
 

@@ -16,7 +16,7 @@ from splitserve.engine.core import EngineCore
 from splitserve.kernels import build
 from splitserve.model import native_linear
 from splitserve.model.native_linear import NativeLinear, TileMemory
-from splitserve.model.packed import PackedLinear, packed_linear, packing_supported
+from splitserve.model.packed import PackedLinear, RowSplitLinear, packed_linear, packing_supported
 from splitserve.sampling_params import SamplingParams
 from engine_requests import greedy_tokens
 
@@ -89,13 +89,14 @@ def test_layers_sharing_tile_memory_keep_their_own_weights(kernel):
         assert layer._tiles.data_ptr() % 64 == 0
 
 
-def test_packed_linear_chooses_native_only_for_float32_on_one_thread(monkeypatch):
+def test_packed_linear_chooses_native_only_on_one_thread(monkeypatch):
     if native_linear._kernel() is None:
         pytest.skip("the gemv kernel cannot be built here")
     w = torch.randn(64, 32)
     assert isinstance(packed_linear(w), NativeLinear)
     if packing_supported(torch.bfloat16):
-        assert isinstance(packed_linear(w.bfloat16()), PackedLinear)
+        bf16 = native_linear.native_linear_supported(torch.bfloat16)   # AVX512-BF16 only
+        assert isinstance(packed_linear(w.bfloat16()), RowSplitLinear if bf16 else PackedLinear)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:

@@ -22,7 +22,7 @@ from splitserve.model import fused
 from splitserve.model.llama import RMSNorm, Rotary, build_model
 from splitserve.model.loader import ModelSource
 from splitserve.model.native_linear import NativeLinear
-from splitserve.model.packed import PackedLinear, packing_supported
+from splitserve.model.packed import PackedLinear, RowSplitLinear, packing_supported
 from splitserve.model.quant import quantization_supported
 from splitserve.sampling_params import SamplingParams
 from splitserve.tokens import PromptTokens
@@ -184,8 +184,9 @@ def test_quantized_engine_greedy_starts_like_float32(tiny_source, quant):
 
 
 # -- packed (oneDNN blocked) weights -----------------------------------------------------
-# float32 on one thread is laid out for the C kernel instead (tests/model/test_native_linear.py)
-PACKED = (PackedLinear, NativeLinear)
+# float32 on one thread is laid out for the C kernel instead (tests/model/test_native_linear.py),
+# bfloat16 on one AVX512-BF16 thread for both (tests/model/test_native_linear_bf16.py)
+PACKED = (PackedLinear, NativeLinear, RowSplitLinear)
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 1.6e-2)])
