@@ -237,6 +237,26 @@ def _up(args) -> int:
     return up(args)
 
 
+def _planner(args) -> int:
+    import asyncio
+    from splitserve import envs
+    from splitserve.flags import from_flags
+    from splitserve.planner.config import PlannerConfig
+    from splitserve.planner.main import run_planner
+    try:
+        config = from_flags(PlannerConfig, args)
+    except ValueError as exc:
+        build_parser().error(f"planner: {exc}")
+    if envs.parent_stdin():
+        _stop_when_parent_is_gone()
+    try:
+        asyncio.run(run_planner(config))
+    except ValueError as exc:     # no internal secret
+        logging.getLogger("splitserve.planner").error("planner: %s", exc)
+        return 2
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from splitserve.config import EngineConfig
     from splitserve.flags import add_flags
@@ -282,6 +302,12 @@ def build_parser() -> argparse.ArgumentParser:
     upp = sub.add_parser("up", help="a local cluster: orchestrator + CTX + GEN workers")
     add_up_arguments(upp)
     upp.set_defaults(func=_up)
+
+    from splitserve.planner.config import PlannerConfig
+    planner = sub.add_parser("planner", help="move workers between the context and "
+                             "generation pools to keep TTFT and ITL within SLOs")
+    add_flags(planner, PlannerConfig)
+    planner.set_defaults(func=_planner)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_cmd", required=True)

@@ -1,6 +1,6 @@
 """Prometheus metrics without a dependency: Counter, Gauge, Histogram and a Registry that
 renders the text exposition format 0.0.4. The worker (server/metrics.py) and the
-orchestrator both export theirs with these; bench/prometheus.py parses the text.
+orchestrator both export theirs with these; prometheus.py parses the text.
 
 Metrics are updated from one thread (the process's event loop); no locks."""
 

@@ -35,11 +35,12 @@ statistic and of the token counts, and counted under its kind:
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 
 import msgspec
 import numpy as np
+
+from splitserve.prometheus import bucket_quantile
 
 SLO_KEYS = ("ttft", "tpot", "e2e")
 
@@ -154,24 +155,7 @@ def _histogram_summary(h: dict) -> dict:
     count, total = h.get("count", 0.0), h.get("sum", 0.0)
     buckets = sorted(h["buckets"])
     return {"count": int(count), "sum_s": total, "mean_ms": 1000 * total / count if count else None,
-            "p50_ms": _bucket_quantile(0.5, buckets), "p99_ms": _bucket_quantile(0.99, buckets)}
-
-
-def _bucket_quantile(q: float, buckets: list[tuple[float, float]]) -> float | None:
-    """Prometheus histogram_quantile: linear inside the bucket holding the q-th observation
-    (cumulative counts); the +Inf bucket answers with the largest finite bound."""
-    if not buckets or buckets[-1][1] <= 0:
-        return None
-    rank = q * buckets[-1][1]
-    lower_bound, lower_count = 0.0, 0.0
-    for bound, count in buckets:
-        if count >= rank:
-            if math.isinf(bound):
-                return 1000 * lower_bound
-            inside = (rank - lower_count) / (count - lower_count) if count > lower_count else 1.0
-            return 1000 * (lower_bound + (bound - lower_bound) * inside)
-        lower_bound, lower_count = bound, count
-    return 1000 * lower_bound
+            "p50_ms": bucket_quantile(0.5, buckets), "p99_ms": bucket_quantile(0.99, buckets)}
 
 
 # -- the human table ---------------------------------------------------------------------------

@@ -4,10 +4,15 @@ HTTP API (internal: only requests carrying this orchestrator's internal token, t
     POST /internal/workers          {"role": "context"|"generation", "url": ..., "ttl": s}
                                     join, or renew the lease (a heartbeat)
     POST /internal/workers/remove   {"url": ...}  leave (DELETE /internal/workers too)
+    POST /internal/workers/role     {"url": ..., "role": ...}  move a member to the other
+                                    pool (splitserve/planner/): its heartbeats keep the
+                                    role they say, the pools follow the assignment until
+                                    it leaves
     GET  /internal/workers          the members
 
-Every answer is the member list, {"object": "list", "data": [{"role", "url", "ttl",
-"expires_in"}, ...]}; a bad body is a 400 with an OpenAI error body naming the field.
+Every answer is the member list, {"object": "list", "data": [{"role", "registered_role",
+"url", "ttl", "expires_in"}, ...]} (role: the pool it is in; registered_role: what its
+heartbeats say); a bad body is a 400 with an OpenAI error body naming the field.
 
 A member leaves when its lease lapses (no heartbeat for `ttl` seconds) or after failing its
 health checks for `remove_unhealthy_after` seconds; the registry runs those checks itself
@@ -38,7 +43,7 @@ import orjson
 from splitserve.errors import InvalidRequestError
 from splitserve.orchestrator.probes import challenge
 from splitserve.protocol.internal_api import (
-    WORKERS_PATH, WORKERS_REMOVE_PATH, Registration, Removal)
+    WORKERS_PATH, WORKERS_REMOVE_PATH, WORKERS_ROLE_PATH, Registration, Removal, RoleAssignment)
 from splitserve.protocol.openai import error_body
 from splitserve.protocol.roles import REGISTERED_ROLES
 from splitserve.trust import INTERNAL_HEADER, Keys
@@ -48,17 +53,18 @@ logger = logging.getLogger(__name__)
 MAX_URL_CHARS = 512
 TTL_RANGE = (1.0, 3600.0)       # seconds a lease may be given
 MAX_MEMBERS = 256
-PATHS = (WORKERS_PATH, WORKERS_REMOVE_PATH)
+PATHS = (WORKERS_PATH, WORKERS_REMOVE_PATH, WORKERS_ROLE_PATH)
 NOT_INTERNAL = ("the /internal/ endpoints take only the cluster's internal requests; this "
                 "request does not carry the cluster's internal token for this server")
 
 
 class Member(msgspec.Struct):
-    role: str
+    role: str                            # the pool it is in
     url: str
     ttl: float
     expires: float                       # time.monotonic() when the lease lapses
     unhealthy_since: float | None = None
+    registered_role: str = ""            # what its heartbeats say ("": role)
 
 
 def _decode(struct, body: bytes):
@@ -70,6 +76,12 @@ def _decode(struct, body: bytes):
         raise InvalidRequestError(str(exc), match and match.group(1)) from None
     except msgspec.DecodeError:
         raise InvalidRequestError("the request body is not valid JSON") from None
+
+
+def _check_role(role: str) -> None:
+    if role not in REGISTERED_ROLES:
+        raise InvalidRequestError(f"role must be one of {', '.join(REGISTERED_ROLES)}, got "
+                                  f"{role[:40]!r}", "role")
 
 
 def _check_url(url: str) -> str:
@@ -90,6 +102,7 @@ class Registry:
     def __init__(self, remove_unhealthy_after: float, max_members: int = MAX_MEMBERS):
         self.remove_after, self.max_members = remove_unhealthy_after, max_members
         self.members: dict[str, Member] = {}
+        self.assigned: dict[str, str] = {}   # url -> the role a RoleAssignment gave it
         self.listeners: list = []     # called (no arguments) when a member joins or leaves
 
     def _changed(self) -> None:
@@ -98,9 +111,7 @@ class Registry:
 
     def register(self, body: bytes) -> None:
         reg = _decode(Registration, body)
-        if reg.role not in REGISTERED_ROLES:
-            raise InvalidRequestError(f"role must be one of {', '.join(REGISTERED_ROLES)}, got "
-                                      f"{reg.role[:40]!r}", "role")
+        _check_role(reg.role)
         if not TTL_RANGE[0] <= reg.ttl <= TTL_RANGE[1]:
             raise InvalidRequestError(f"ttl must be {TTL_RANGE[0]:g} to {TTL_RANGE[1]:g} "
                                       f"seconds, got {reg.ttl!r}", "ttl")
@@ -109,28 +120,55 @@ class Registry:
         if member is None and len(self.members) >= self.max_members:
             raise InvalidRequestError(f"the cluster holds its limit of {self.max_members} "
                                       f"registered workers", "url")
-        if member is None or member.role != reg.role:
-            logger.info("orch: %s worker %s registered (ttl %g s)", reg.role, url, reg.ttl)
-            member = self.members[url] = Member(reg.role, url, reg.ttl, time.monotonic() + reg.ttl)
+        role = self.assigned.get(url, reg.role)
+        if member is None or member.role != role or member.registered_role != reg.role:
+            if member is None or member.role != role:
+                logger.info("orch: %s worker %s registered (ttl %g s)", role, url, reg.ttl)
+            member = self.members[url] = Member(role, url, reg.ttl, time.monotonic() + reg.ttl,
+                                                registered_role=reg.role)
             self._changed()
         member.ttl, member.expires = reg.ttl, time.monotonic() + reg.ttl
 
+    def assign(self, body: bytes) -> None:
+        """Move a member to `role`'s pool. Requests in flight on it finish there (a pool
+        that loses a server keeps serving what it holds: pools.Pool.sync)."""
+        move = _decode(RoleAssignment, body)
+        _check_role(move.role)
+        url = _check_url(move.url)
+        member = self.members.get(url)
+        if member is None:
+            raise InvalidRequestError(f"no registered worker has the url {url[:80]!r}", "url")
+        if move.role == member.registered_role:
+            self.assigned.pop(url, None)
+        else:
+            self.assigned[url] = move.role
+        if member.role != move.role:
+            logger.info("orch: worker %s moves from the %s pool to the %s pool", url,
+                        member.role, move.role)
+            member.role = move.role
+            self._changed()
+
+    def _leave(self, url: str) -> bool:
+        """A member leaves (a worker that joins again starts in the role it registers)."""
+        self.assigned.pop(url, None)
+        return self.members.pop(url, None) is not None
+
     def remove(self, body: bytes) -> None:
         url = _check_url(_decode(Removal, body).url)
-        if self.members.pop(url, None) is not None:
+        if self._leave(url):
             logger.info("orch: worker %s left", url)
             self._changed()
 
     def forget(self, url: str) -> None:
         """A worker is known to be gone (`splitserve up` saw its process exit)."""
-        if self.members.pop(url, None) is not None:
+        if self._leave(url):
             logger.info("orch: worker %s exited; it leaves until it registers again", url)
             self._changed()
 
     def listing(self) -> list[dict]:
         now = time.monotonic()
-        return [{"role": m.role, "url": m.url, "ttl": m.ttl,
-                 "expires_in": round(max(m.expires - now, 0.0), 3)}
+        return [{"role": m.role, "registered_role": m.registered_role or m.role, "url": m.url,
+                 "ttl": m.ttl, "expires_in": round(max(m.expires - now, 0.0), 3)}
                 for m in self.members.values()]
 
     def handle(self, method: str, path: str, body: bytes) -> tuple[int, bytes]:
@@ -140,6 +178,8 @@ class Registry:
                 self.register(body)
             elif (method, path) in (("POST", PATHS[1]), ("DELETE", PATHS[0])):
                 self.remove(body)
+            elif (method, path) == ("POST", PATHS[2]):
+                self.assign(body)
             elif (method, path) not in (("GET", PATHS[0]), ("HEAD", PATHS[0])):
                 return 405 if path in PATHS else 404, error_body(
                     f"no endpoint {method} {path}", "invalid_request_error")
@@ -154,11 +194,11 @@ class Registry:
             if m.expires <= now:
                 logger.warning("orch: %s worker %s sent no heartbeat for %g s; it leaves",
                                m.role, url, m.ttl)
-                del self.members[url]
+                self._leave(url)
             elif m.unhealthy_since is not None and now - m.unhealthy_since >= self.remove_after:
                 logger.warning("orch: %s worker %s failed its health checks for %g s; it "
                                "leaves", m.role, url, now - m.unhealthy_since)
-                del self.members[url]
+                self._leave(url)
         if len(self.members) != before:
             self._changed()
 

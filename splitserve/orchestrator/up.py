@@ -29,6 +29,7 @@ from splitserve.orchestrator.app import run_orchestrator
 from splitserve.orchestrator.cluster import ClusterConfig, PoolConfig
 from splitserve.orchestrator.fleet import run_fleet
 from splitserve.orchestrator.supervisor import Supervisor, WorkerChild, stop_processes
+from splitserve.planner.config import PlannerConfig
 from splitserve.platforms import check_device
 from splitserve.placement import (ClusterPlan, WorkerPlan, format_cpus, pin_process,
                                   plan_cluster, usable_cpus)
@@ -67,10 +68,13 @@ def worker_command(args, role: str, port: int, cpus: WorkerPlan) -> list[str]:
     return cmd
 
 
-def free_ports(first: int, count: int) -> list[int]:
-    """The first `count` ports from `first` on that nothing listens on now."""
+def free_ports(first: int, count: int, skip=()) -> list[int]:
+    """The first `count` ports from `first` on that nothing listens on now, but `skip`."""
     ports, port = [], first
     while len(ports) < count:
+        if port in skip:
+            port += 1
+            continue
         with socket.socket() as s:
             try:
                 s.bind((KV_HOST, port))
@@ -95,23 +99,55 @@ def cluster_secrets(args) -> dict[str, str]:
     return out
 
 
-def start_workers(args, plan: ClusterPlan, secret_env: dict[str, str]) -> list[WorkerChild]:
-    # Each worker's stdin is a pipe this process holds: if it dies, even by SIGKILL, the
-    # workers read EOF and stop (envs.parent_stdin) instead of serving on as orphans.
-    env = dict(os.environ, **secret_env, **{envs.PARENT_STDIN: "1"})
-    # Fixed KV ports: a restarted CTX comes back at the same endpoint, and each GEN is told
-    # the CTX endpoints it may pull from (it dials no other).
-    kv_ports = free_ports(args.port + 1 + len(plan.workers), args.num_ctx)
+def child_env(secret_env: dict[str, str]) -> dict[str, str]:
+    """Each child's stdin is a pipe this process holds: if it dies, even by SIGKILL, the
+    children read EOF and stop (envs.parent_stdin) instead of serving on as orphans."""
+    return dict(os.environ, **secret_env, **{envs.PARENT_STDIN: "1"})
+
+
+def start_workers(args, plan: ClusterPlan, secret_env: dict[str, str],
+                  skip=()) -> list[WorkerChild]:
+    """skip: ports the KV ports must not take (the planner's)."""
+    env = child_env(secret_env)
+    # Fixed KV ports: a restarted worker comes back at the same endpoint, and each worker
+    # is told every endpoint it may pull from (it dials no other). Every worker's, not only
+    # the CTX workers': a role only labels a worker, and the planner moves workers between
+    # the pools, so a lease may be on any of them.
+    kv_ports = free_ports(args.port + 1 + len(plan.workers), len(plan.workers), skip)
     kv_peers = ",".join(f"tcp://{KV_HOST}:{p}" for p in kv_ports)
     children = []
     for i, cpus in enumerate(plan.workers):
         role = "ctx" if i < args.num_ctx else "gen"
         port = args.port + 1 + i
-        kv = ["--kv-port", str(kv_ports[i])] if role == "ctx" else ["--kv-peers", kv_peers]
+        kv = ["--kv-port", str(kv_ports[i]), "--kv-peers", kv_peers]
         children.append(WorkerChild(role, local_url(args.worker_host, port),
                                     worker_command(args, role, port, cpus) + kv, env,
                                     stdin=b""))
     return children
+
+
+def start_planner(args, secret_env: dict[str, str], port: int) -> WorkerChild:
+    """`splitserve planner` on this cluster's orchestrator, its /metrics on `port`."""
+    cmd = [sys.executable, "-m", "splitserve.cli", "--log-level", args.log_level, "planner",
+           "--orchestrator", local_url(args.host, args.port), "--port", str(port),
+           "--interval", str(args.planner_interval), "--window", str(args.planner_window),
+           "--cooldown", str(args.planner_cooldown)]
+    for name in ("ttft_p90_ms", "itl_p90_ms"):
+        if getattr(args, name) is not None:
+            cmd += ["--" + name.replace("_", "-"), str(getattr(args, name))]
+    return WorkerChild("planner", local_url(KV_HOST, port), cmd, child_env(secret_env),
+                       stdin=b"", what="process")
+
+
+def check_planner(args) -> None:
+    """The planner's settings, checked before anything starts (a usage error)."""
+    if not args.planner:
+        if args.ttft_p90_ms is not None or args.itl_p90_ms is not None:
+            raise ValueError("--ttft-p90-ms and --itl-p90-ms are the planner's: add --planner")
+        return
+    PlannerConfig(ttft_p90_ms=args.ttft_p90_ms, itl_p90_ms=args.itl_p90_ms,
+                  interval=args.planner_interval, window=args.planner_window,
+                  cooldown=args.planner_cooldown)
 
 
 def wait_healthy(procs, urls, timeout: float) -> None:
@@ -177,6 +213,7 @@ def up(args) -> int:
     # Built before any worker starts: a value it refuses is a usage error, with nothing to stop.
     try:
         check_device(args.device)
+        check_planner(args)
         secret_env = cluster_secrets(args)
         config = cluster_config(args, secret_env)
     except ValueError as exc:
@@ -186,12 +223,16 @@ def up(args) -> int:
     if problem is not None:    # before any worker starts and registers with what holds it
         logger.error("up: %s", problem)
         return 1
-    children = start_workers(args, plan, secret_env)
+    planner_port = free_ports(args.port + 1 + len(plan.workers), 1)[0] if args.planner else None
+    children = start_workers(args, plan, secret_env, skip={planner_port})
+    if planner_port is not None:
+        children.append(start_planner(args, secret_env, planner_port))
     supervisor = Supervisor(children)
     # Signals during startup must still stop the children.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
-        wait_healthy(supervisor.processes(), [c.url for c in children], args.start_timeout)
+        workers = [c for c in children if c.role != "planner"]
+        wait_healthy([c.proc for c in workers], [c.url for c in workers], args.start_timeout)
         if config.processes > 1:
             asyncio.run(run_fleet(config, args.log_level, banner(config, args),
                                   companion=lambda registry: supervisor.watch(registry.forget)))

@@ -64,6 +64,20 @@ def add_arguments(p) -> None:
                    help="no log line per finished request, on the orchestrator and the workers")
     p.add_argument("--disable-log-stats", action="store_true",
                    help="no throughput line from the workers every 10 s while there is traffic")
+    from splitserve.planner.config import PlannerConfig as Planner
+    p.add_argument("--planner", action="store_true",
+                   help="also run `splitserve planner`: it moves workers between the pools "
+                        "to keep --ttft-p90-ms / --itl-p90-ms (give at least one)")
+    p.add_argument("--ttft-p90-ms", type=float, default=None,
+                   help="the planner's SLO on the context pool's time to first token")
+    p.add_argument("--itl-p90-ms", type=float, default=None,
+                   help="the planner's SLO on the generation pool's inter-token latency")
+    p.add_argument("--planner-interval", type=float, default=Planner.interval,
+                   help="seconds between the planner's looks (default: %(default)s)")
+    p.add_argument("--planner-window", type=float, default=Planner.window,
+                   help="seconds of metrics a planner decision reads (default: %(default)s)")
+    p.add_argument("--planner-cooldown", type=float, default=Planner.cooldown,
+                   help="seconds after a move before the planner's next (default: %(default)s)")
     from splitserve.cli import add_allowed_origins_argument
     add_allowed_origins_argument(p, "(the orchestrator's; default: none)")
     from splitserve.cli import add_api_key_arguments

@@ -10,6 +10,8 @@ with how they are derived.
     POST WORKERS_PATH          Registration: join an orchestrator's pools or renew the lease
     POST WORKERS_REMOVE_PATH   Removal: leave them (server/registration.py sends both;
                                orchestrator/registry.py serves them)
+    POST WORKERS_ROLE_PATH     RoleAssignment: move a member to the other pool (the
+                               planner sends it, splitserve/planner/)
     GET  /health               a worker's "load" (load_body), read by the orchestrator's
                                health checks and load polls (reported_load)
 """
@@ -29,6 +31,7 @@ if TYPE_CHECKING:
 KV_BLOCKS_PATH = "/internal/kv_blocks"
 WORKERS_PATH = "/internal/workers"
 WORKERS_REMOVE_PATH = "/internal/workers/remove"
+WORKERS_ROLE_PATH = "/internal/workers/role"
 # When the sender wrote the request (time.time(), repr): a worker measures its preprocessing
 # from it, so time queued in front of its event loop counts (server/generate.py).
 SENT_AT_HEADER = "X-Sent-At"
@@ -42,6 +45,13 @@ class Registration(msgspec.Struct, forbid_unknown_fields=True):
 
 class Removal(msgspec.Struct, forbid_unknown_fields=True):
     url: str
+
+
+class RoleAssignment(msgspec.Struct, forbid_unknown_fields=True):
+    """A member's pool from now on, whatever role its heartbeats say (a role only labels a
+    worker: protocol/roles.py), until it leaves; its own role again clears it."""
+    url: str
+    role: str                 # roles.REGISTERED_ROLES
 
 
 def kv_blocks_body(report: KVBlocks | None, since: str | None = None) -> dict:

@@ -20,7 +20,7 @@ from splitserve.bench.serve import main as serve
 from splitserve.bench.serve.main import ServeBenchConfig
 from splitserve.bench.serve.workloads import WorkloadConfig
 from splitserve.cli import main
-from splitserve.bench.prometheus import parse_prometheus
+from splitserve.prometheus import parse_prometheus
 from server_utils import Worker
 
 LATENCIES = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")

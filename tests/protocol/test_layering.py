@@ -5,8 +5,9 @@ imported, and every import counts: a lazy one inside a function, a relative one,
 
 The rooms are the orchestrator, the worker front-end (server/), the engine, KV transfer
 (kv/), the model and its C kernels. The entry points (cli.py, llm.py: the offline engine in
-this process, bench/) may import anything. Everything else is a shared base layer: protocol/
-(every agreement between rooms), httpd/ and the top-level modules. A base module imports no
+this process, bench/, planner/: programs that speak to a cluster over HTTP) may import
+anything. Everything else is a shared base layer: protocol/ (every agreement between
+rooms), httpd/ and the top-level modules. A base module imports no
 room; a room imports another room only where ALLOWED says, and why."""
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import splitserve   # (its __init__ imports nothing)
 
 PACKAGE = pathlib.Path(splitserve.__file__).parent
 ROOMS = {"orchestrator", "server", "engine", "kv", "model", "kernels", "platforms"}
-ENTRY_POINTS = {"cli", "llm", "bench", ""}    # "": the package itself (LLM, SamplingParams)
+ENTRY_POINTS = {"cli", "llm", "bench", "planner", ""}   # "": the package (LLM, SamplingParams)
 
 # (importer, imported): why. Module names below splitserve., each covering the modules
 # inside it. The same table is in docs/architecture.md.
@@ -42,6 +43,9 @@ ALLOWED = {
         "one is",
     ("config", "platforms"): "a device name is checked against platforms/__init__.py's list "
         "(torch loads only to check that cuda is there)",
+    ("orchestrator.up", "planner.config"): "`splitserve up --planner` checks the planner's "
+        "settings before any worker starts",
+    ("orchestrator.up_args", "planner.config"): "and takes the planner's defaults",
     ("orchestrator.up", "platforms"): "`splitserve up --device cuda` is refused before any "
         "worker starts where PyTorch sees no GPU",
     ("engine", "platforms"): "the engine asks its device's platform what differs per device",

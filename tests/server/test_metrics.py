@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from splitserve.bench.prometheus import parse_prometheus
+from splitserve.prometheus import parse_prometheus
 from splitserve.metrics import Counter, Gauge, Histogram, Registry
 from splitserve.server.metrics import ServerMetrics
 

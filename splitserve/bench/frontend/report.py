@@ -10,7 +10,7 @@ import numpy as np
 from splitserve.bench.frontend.client import RunSpec
 from splitserve.bench.frontend.config import MODES, BenchError
 from splitserve.bench.metrics import latency_stats, server_deltas
-from splitserve.bench.prometheus import parse_prometheus
+from splitserve.prometheus import parse_prometheus
 
 GEN_PRE = "splitserve_gen_preprocessing_seconds"
 QUEUE = "splitserve_request_queue_time_seconds"

@@ -17,7 +17,7 @@ import urllib.request
 from splitserve.bench.report.config import ReportConfig
 from splitserve.bench.report.markdown import failed, shown
 from splitserve.orchestrator.up import wait_healthy
-from splitserve.bench.prometheus import parse_prometheus
+from splitserve.prometheus import parse_prometheus
 
 
 class StepFailed(Exception):

@@ -10,7 +10,7 @@ import aiohttp
 import msgspec
 
 from splitserve.bench import metrics as M
-from splitserve.bench.prometheus import parse_prometheus
+from splitserve.prometheus import parse_prometheus
 from splitserve.bench.serve import workloads
 from splitserve.bench.serve.workloads import Turn
 

@@ -1,8 +1,10 @@
 """The Prometheus text exposition format (splitserve/metrics.py renders it) read back into
-samples, for tests and benchmarks."""
+samples, and a histogram's quantile from its buckets, for the planner, benchmarks and
+tests."""
 
 from __future__ import annotations
 
+import math
 import re
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+-?\d+)?$")
@@ -37,3 +39,20 @@ def _parse_labels(text: str) -> dict[str, str]:
                                         match.group(2))
         pos = match.end()
     return labels
+
+
+def bucket_quantile(q: float, buckets: list[tuple[float, float]]) -> float | None:
+    """Prometheus histogram_quantile: linear inside the bucket holding the q-th observation
+    (cumulative counts); the +Inf bucket answers with the largest finite bound."""
+    if not buckets or buckets[-1][1] <= 0:
+        return None
+    rank = q * buckets[-1][1]
+    lower_bound, lower_count = 0.0, 0.0
+    for bound, count in buckets:
+        if count >= rank:
+            if math.isinf(bound):
+                return 1000 * lower_bound
+            inside = (rank - lower_count) / (count - lower_count) if count > lower_count else 1.0
+            return 1000 * (lower_bound + (bound - lower_bound) * inside)
+        lower_bound, lower_count = bound, count
+    return 1000 * lower_bound

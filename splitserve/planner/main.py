@@ -1,0 +1,185 @@
+"""The planner's loop: every `interval` seconds, read the members from the orchestrator and
+each member's /metrics (internal requests: the cluster's secret), decide (policy.py), and
+carry out a move (POST /internal/workers/role). Every move is logged at INFO with the
+numbers behind it; a hold is logged when its reason changes. /metrics counts both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import urllib.request
+
+import orjson
+
+from splitserve import envs
+from splitserve.httpd import HTTPServer, Request, Response
+from splitserve.httpd.connections import Standing
+from splitserve.httpd.router import NO_BODY, Route, Router
+from splitserve.httpd.server import Admission
+from splitserve.internal_client import InternalClient
+from splitserve.metrics import Counter, Gauge, Registry
+from splitserve.planner.config import PlannerConfig
+from splitserve.planner.policy import Decision, PoolView, decide
+from splitserve.planner.window import Sample, Window, read_sample
+from splitserve.protocol.internal_api import WORKERS_PATH, WORKERS_ROLE_PATH
+from splitserve.protocol.openai import status_error_body
+from splitserve.protocol.roles import REGISTERED_ROLE
+from splitserve.signals import wait_for_stop_signal
+
+logger = logging.getLogger(__name__)
+
+TIMEOUT = 5.0                     # seconds for one internal request
+MAX_METRICS_BYTES = 4 << 20       # a worker's /metrics read at most
+
+
+class PlannerMetrics:
+    def __init__(self):
+        self.registry = r = Registry()
+        p = "splitserve_planner_"
+        self.moves = r.register(Counter(p + "moves_total", "Workers moved between pools",
+                                        ("from", "to")))
+        self.holds = r.register(Counter(p + "holds_total", "Looks that moved no worker, by "
+                                        "reason", ("reason",)))
+        self.errors = r.register(Counter(p + "errors_total", "Looks or moves that failed, by "
+                                         "what failed", ("what",)))
+        self.p90 = r.register(Gauge(p + "p90_seconds", "The window's p90: ttft of the "
+                                    "context pool, itl of the generation pool", ("signal",)))
+        self.workers = r.register(Gauge(p + "pool_workers", "Workers in each pool", ("pool",)))
+
+
+class Planner:
+    def __init__(self, config: PlannerConfig, secret: str):
+        self.config = config
+        self.orchestrator = config.orchestrator.rstrip("/")
+        self.client = InternalClient(secret)
+        self.window = Window(config.window)
+        self.metrics = PlannerMetrics()
+        self.last_move = -float("inf")
+        self.last_reason: str | None = None
+
+    # -- the cluster, over HTTP (blocking: called on a thread) ---------------------------
+    def _call(self, url: str, body: dict | None = None) -> bytes:
+        data = None if body is None else orjson.dumps(body)
+        request = urllib.request.Request(url, data, method="GET" if data is None else "POST",
+                                         headers={"Content-Type": "application/json"})
+        with self.client.urlopen(request, timeout=TIMEOUT) as r:
+            return r.read(MAX_METRICS_BYTES)
+
+    def members(self) -> list[dict]:
+        return orjson.loads(self._call(self.orchestrator + WORKERS_PATH))["data"]
+
+    def scrape(self, url: str) -> Sample | None:
+        try:
+            return read_sample(self._call(url + "/metrics"))
+        except (OSError, ValueError) as exc:
+            logger.debug("planner: %s/metrics: %s", url, exc)
+            self.metrics.errors.labels("scrape").inc()
+            return None
+
+    def move(self, url: str, pool: str) -> bool:
+        try:
+            self._call(self.orchestrator + WORKERS_ROLE_PATH,
+                       {"url": url, "role": REGISTERED_ROLE[pool]})
+            return True
+        except OSError as exc:
+            logger.warning("planner: moving %s to the %s pool failed: %s", url, pool, exc)
+            self.metrics.errors.labels("move").inc()
+            return False
+
+    # -- one look ---------------------------------------------------------------------------
+    async def look(self) -> Decision | None:
+        try:
+            members = await asyncio.to_thread(self.members)
+        except (OSError, ValueError, KeyError) as exc:
+            logger.warning("planner: the orchestrator's member list: %s", exc)
+            self.metrics.errors.labels("members").inc()
+            return None
+        samples = await asyncio.gather(*(asyncio.to_thread(self.scrape, m["url"])
+                                         for m in members))
+        now = time.monotonic()
+        self.window.keep(m["url"] for m in members)
+        for m, sample in zip(members, samples):
+            if sample is not None:
+                self.window.add(m["url"], now, sample)
+        decision = decide(*self._pools(members), min_samples=self.config.min_samples,
+                          headroom=self.config.headroom, min_ctx=self.config.min_ctx,
+                          min_gen=self.config.min_gen,
+                          cooling=now - self.last_move < self.config.cooldown)
+        await self._act(decision)
+        return decision
+
+    def _pools(self, members: list[dict]) -> tuple[PoolView, PoolView]:
+        views = []
+        for name, histogram, slo in (("ctx", "ttft", self.config.ttft_p90_ms),
+                                     ("gen", "itl", self.config.itl_p90_ms)):
+            urls = [m["url"] for m in members if m["role"] == REGISTERED_ROLE[name]]
+            loads = {u: s.load for u in urls if (s := self.window.latest(u)) is not None}
+            p90, samples = self.window.p90(urls, histogram)
+            self.metrics.workers.labels(name).set(len(urls))
+            if p90 is not None:
+                self.metrics.p90.labels(histogram).set(p90 / 1000)
+            views.append(PoolView(name, loads, p90, samples, slo))
+        return views[0], views[1]
+
+    async def _act(self, decision: Decision) -> None:
+        if decision.action == "hold":
+            self.metrics.holds.labels(decision.reason).inc()
+            if decision.reason != self.last_reason:
+                logger.info("planner: %s", decision.describe())
+            self.last_reason = decision.reason
+            return
+        logger.info("planner: %s", decision.describe())
+        self.last_reason = None
+        if await asyncio.to_thread(self.move, decision.url, decision.dst):
+            self.metrics.moves.labels(decision.src, decision.dst).inc()
+            self.last_move = time.monotonic()
+            self.window.restart()
+
+    async def run(self, should_stop=None) -> None:
+        while should_stop is None or not should_stop():
+            await self.look()
+            await asyncio.sleep(self.config.interval)
+
+
+class PlannerServer:
+    """/metrics and /health of the planner (it binds loopback unless told otherwise)."""
+
+    def __init__(self, planner: Planner):
+        self.planner = planner
+        self.router = Router({"/metrics": Route("GET", self.prometheus, NO_BODY),
+                              "/health": Route("GET", self.health, NO_BODY)}, status_error_body)
+        self.http = HTTPServer(self.router.dispatch, NO_BODY, "planner",
+                               error_body=status_error_body, check_head=self.check_head)
+
+    def check_head(self, request: Request) -> Admission | Response:
+        found = self.router.find(request)
+        return found if isinstance(found, Response) else Admission(Standing.CLIENT,
+                                                                   found.max_body)
+
+    async def prometheus(self, request: Request) -> Response:
+        return Response(self.planner.metrics.registry.render(),
+                        content_type=Registry.CONTENT_TYPE)
+
+    async def health(self, request: Request) -> Response:
+        return Response(orjson.dumps({"status": "ok"}))
+
+
+async def run_planner(config: PlannerConfig, should_stop=None) -> None:
+    secret = envs.internal_secret()
+    if not secret:
+        raise ValueError("the planner needs the cluster's internal secret "
+                         "(SPLITSERVE_INTERNAL_SECRET)")
+    planner = Planner(config, secret)
+    server = PlannerServer(planner)
+    await server.http.start(config.host, config.port, 128)
+    logger.info("planner: %s, SLO ttft p90 %s ms, itl p90 %s ms; metrics on http://%s:%d",
+                planner.orchestrator, config.ttft_p90_ms, config.itl_p90_ms, config.host,
+                server.http.port)
+    task = asyncio.create_task(planner.run())
+    try:
+        await wait_for_stop_signal(should_stop)
+    finally:
+        task.cancel()
+        await server.http.close()
