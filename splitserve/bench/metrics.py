@@ -19,8 +19,11 @@ input tok/s       prompt tokens of successful requests / duration; prompt tokens
                   server's usage.prompt_tokens, or the requested input length if it sends none
 output tok/s      output tokens of successful requests / duration; usage.completion_tokens,
                   or the number of content chunks (streaming) / max_tokens (not streaming)
-goodput           successful requests meeting every --slo bound (ttft, tpot, e2e; in seconds)
-                  / duration
+goodput           successful requests meeting every SLO bound / duration (DistServe's
+                  definition, as vLLM's --goodput computes it). Bounds: --goodput
+                  ttft:MS tpot:MS itl:MS e2el:MS (vLLM's form, milliseconds) or --slo
+                  ttft=S,tpot=S,itl=S,e2e=S (seconds); itl bounds every gap of the request
+                  (its largest), tpot its mean
 
 A request that fails is an error, never a fast request: it is left out of every latency
 statistic and of the token counts, and counted under its kind:
@@ -42,7 +45,8 @@ import numpy as np
 
 from splitserve.prometheus import bucket_quantile
 
-SLO_KEYS = ("ttft", "tpot", "e2e")
+SLO_KEYS = ("ttft", "tpot", "itl", "e2e")
+GOODPUT_KEYS = {"ttft": "ttft", "tpot": "tpot", "itl": "itl", "e2el": "e2e"}   # vLLM's names
 
 
 class RequestRecord(msgspec.Struct, kw_only=True):
@@ -81,6 +85,24 @@ def parse_slo(text: str | None) -> dict[str, float]:
     return slo
 
 
+def parse_goodput(items: list[str] | None) -> dict[str, float]:
+    """['ttft:500', 'tpot:50'] (vLLM's --goodput, milliseconds) -> {'ttft': 0.5, 'tpot': 0.05}
+    (seconds, as parse_slo)."""
+    slo = {}
+    for item in items or ():
+        key, sep, value = item.partition(":")
+        key = key.strip().lower()
+        try:
+            ms = float(value)
+        except ValueError:
+            ms = float("nan")
+        if not sep or key not in GOODPUT_KEYS or not ms > 0:
+            raise ValueError(f"--goodput takes KEY:MS pairs with keys {tuple(GOODPUT_KEYS)} and "
+                             f"a positive number of milliseconds, got {item!r}")
+        slo[GOODPUT_KEYS[key]] = ms / 1000
+    return slo
+
+
 def latency_stats(seconds) -> dict:
     """count, mean, p50, p90, p99, max in ms; null values when there is no sample."""
     ms = np.asarray(list(seconds), dtype=np.float64) * 1000.0
@@ -92,8 +114,9 @@ def latency_stats(seconds) -> dict:
 
 
 def meets_slo(rec: RequestRecord, slo: dict[str, float]) -> bool:
-    values = {"ttft": rec.ttft, "tpot": rec.tpot, "e2e": rec.e2e}
-    # tpot is None for one-token outputs: there is nothing to violate.
+    values = {"ttft": rec.ttft, "tpot": rec.tpot, "itl": max(rec.itl, default=None),
+              "e2e": rec.e2e}
+    # tpot and itl are None for one-token outputs: there is nothing to violate.
     return all(values[k] is None or values[k] <= bound for k, bound in slo.items())
 
 

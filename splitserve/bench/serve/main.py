@@ -69,8 +69,8 @@ class ServeBenchConfig:
             raise ValueError("--num-requests and --duration must be positive, --warmup >= 0")
         if not self.settle >= 0:
             raise ValueError(f"--settle must be >= 0 seconds, got {self.settle}")
-        if not self.stream and set(self.slo) & {"ttft", "tpot"}:
-            raise ValueError("ttft and tpot SLOs need a streaming run (drop --no-stream)")
+        if not self.stream and set(self.slo) & {"ttft", "tpot", "itl"}:
+            raise ValueError("ttft, tpot and itl SLOs need a streaming run (drop --no-stream)")
 
     @property
     def workers(self) -> int | None:
@@ -176,7 +176,11 @@ def add_arguments(p) -> None:
                    help="default 100 without --duration (per level and server)")
     p.add_argument("--duration", type=float, default=None, help="seconds")
     p.add_argument("--warmup", type=int, default=0, help="requests sent first, not measured")
-    p.add_argument("--slo", default=None, help="goodput bounds in seconds: ttft=0.5,tpot=0.05")
+    slo = p.add_mutually_exclusive_group()
+    slo.add_argument("--slo", default=None, help="goodput bounds in seconds: ttft=0.5,tpot=0.05")
+    slo.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
+                     help="goodput bounds as vLLM takes them, in milliseconds: ttft:500 "
+                          "tpot:50 (keys ttft, tpot, itl: every gap, e2el)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--settle", type=float, default=10.0, metavar="SECONDS",
                    help="in a comparison, before each run wait up to this long for the machine "
@@ -219,7 +223,8 @@ def config_from_args(args) -> ServeBenchConfig:
         concurrency=args.concurrency[0] if args.concurrency else None,
         request_rate=args.request_rate, burstiness=args.burstiness,
         num_requests=num, duration=args.duration, warmup=args.warmup,
-        slo=M.parse_slo(args.slo), timeout=args.timeout, label=_label(args, wl.kind),
+        slo=M.parse_slo(args.slo) if args.goodput is None else M.parse_goodput(args.goodput),
+        timeout=args.timeout, label=_label(args, wl.kind),
         progress=not args.no_progress, command=_redacted(sys.argv), settle=args.settle,
         api_key=args.api_key or os.environ.get("OPENAI_API_KEY") or None)
 

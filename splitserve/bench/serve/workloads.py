@@ -11,6 +11,9 @@ token per word with BPE tokenizers; the server's `usage.prompt_tokens` is what g
 - multi-turn:    chats of --turns turns; each turn appends the previous answer (chat only)
 - mixed:         short chats, and with probability --long-fraction a long prompt of
                  --long-len-min..--long-len-max tokens; turns are tagged "short" / "long"
+- swing:         --input-len / --output-len for --swing-period seconds, then the two swapped,
+                 and so on (10:1 <-> 1:10): what a planner moving workers between the pools
+                 is for; turns are tagged "input-heavy" / "output-heavy"
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import numpy as np
 
 from splitserve.bench.metrics import RequestRecord
 
-WORKLOADS = ("random", "shared-prefix", "multi-turn", "mixed")
+WORKLOADS = ("random", "shared-prefix", "multi-turn", "mixed", "swing")
 CHAT_ONLY = ("multi-turn",)
 
 # Token ids drawn for completions prompts: above the special tokens every common tokenizer
@@ -65,6 +68,7 @@ class WorkloadConfig:
     long_fraction: float = 0.1
     long_len_min: int = 2000
     long_len_max: int = 6000
+    swing_period: float = 120.0            # swing: seconds each shape lasts
     response_format: str = "text"          # text, json_object or json_schema (RESPONSE_FORMATS)
     # Fresh by default: a rerun against the same server must not find its prompts in the
     # prefix cache. The seed is recorded with the results; pass it to repeat a run exactly.
@@ -88,6 +92,8 @@ class WorkloadConfig:
             raise ValueError(f"--range-ratio must be in [0, 1), got {self.range_ratio}")
         if self.num_prefix_groups < 1 or self.prefix_len < 0 or self.turns < 1:
             raise ValueError("--num-prefix-groups and --turns must be >= 1, --prefix-len >= 0")
+        if not self.swing_period > 0:
+            raise ValueError(f"--swing-period must be positive, got {self.swing_period}")
         if not 0 <= self.long_fraction <= 1 or not 1 <= self.long_len_min <= self.long_len_max:
             raise ValueError("need 0 <= --long-fraction <= 1 and "
                              "1 <= --long-len-min <= --long-len-max")
@@ -149,6 +155,9 @@ def add_arguments(p) -> None:
     p.add_argument("--long-fraction", type=float, default=0.1, help="mixed: share of long prompts")
     p.add_argument("--long-len-min", type=int, default=2000, help="mixed")
     p.add_argument("--long-len-max", type=int, default=6000, help="mixed")
+    p.add_argument("--swing-period", type=float, default=120.0,
+                   help="swing: seconds of --input-len/--output-len requests, then as many of "
+                        "the two swapped, and again (e.g. 10:1 <-> 1:10)")
     p.add_argument("--response-format", choices=list(RESPONSE_FORMATS), default="text",
                    help="structured output for every request: json_schema is one free string")
     p.add_argument("--seed", type=int, default=None,
@@ -163,15 +172,16 @@ def config_from_args(args) -> WorkloadConfig:
         range_ratio=args.range_ratio, num_prefix_groups=args.num_prefix_groups,
         prefix_len=args.prefix_len, turns=args.turns, long_fraction=args.long_fraction,
         long_len_min=args.long_len_min, long_len_max=args.long_len_max,
-        response_format=args.response_format,
+        swing_period=args.swing_period, response_format=args.response_format,
         **({} if args.seed is None else {"seed": args.seed}))
 
 
-def sessions(cfg: WorkloadConfig) -> Iterator[Session]:
-    """The workload's endless session stream, deterministic in cfg.seed."""
+def sessions(cfg: WorkloadConfig, clock=time.monotonic) -> Iterator[Session]:
+    """The workload's endless session stream, deterministic in cfg.seed (swing: and in when
+    each session is taken, by `clock`)."""
     rng = np.random.default_rng(cfg.seed)
     make = {"random": _random, "shared-prefix": _shared_prefix, "multi-turn": _multi_turn,
-            "mixed": _mixed}[cfg.kind]
+            "mixed": _mixed, "swing": _swing(clock)}[cfg.kind]
     conversation = 0
     while True:
         yield Session(make(cfg, rng, conversation), conversation)
@@ -220,6 +230,24 @@ def _mixed(cfg: WorkloadConfig, rng, conversation: int) -> list[Turn]:
         n = int(rng.integers(cfg.long_len_min, cfg.long_len_max + 1))
         return [_turn(cfg, rng, n, "long")]
     return [_turn(cfg, rng, _length(rng, cfg.input_len, cfg.range_ratio), "short")]
+
+
+def _swing(clock):
+    """Requests of --input-len / --output-len for --swing-period seconds from the first one
+    taken, then of the two swapped for as long, and so on: a workload whose input:output
+    ratio swings (class "input-heavy" or "output-heavy" by which is longer)."""
+    start = None
+
+    def make(cfg: WorkloadConfig, rng, conversation: int) -> list[Turn]:
+        nonlocal start
+        now = clock()
+        start = now if start is None else start
+        swapped = int((now - start) // cfg.swing_period) % 2 == 1
+        isl, osl = (cfg.output_len, cfg.input_len) if swapped else (cfg.input_len, cfg.output_len)
+        cls = "input-heavy" if isl > osl else "output-heavy" if osl > isl else "default"
+        n = _length(rng, isl, cfg.range_ratio)
+        return [Turn(_prompt(cfg, rng, n), n, _length(rng, osl, cfg.range_ratio), cls)]
+    return make
 
 
 # -- load: when turns are sent ----------------------------------------------------------------
