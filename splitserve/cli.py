@@ -26,6 +26,9 @@ def _bench(args) -> int:
     elif args.bench_cmd == "chaos":
         from splitserve.bench.chaos import main as chaos
         return chaos.run(args)
+    elif args.bench_cmd == "planner":
+        from splitserve.bench.planner import main as planner
+        return planner.run(args)
     elif args.bench_cmd == "plot":
         from splitserve.bench import plot
         for path in plot.run(args):
@@ -320,6 +323,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench_frontend.add_arguments(bench_sub.add_parser(
         "frontend", help="the GEN front-end's cost per token relay mode vs prompt length "
                          "and concurrency"))
+    from splitserve.bench.planner import main as bench_planner
+    bench_planner.add_arguments(bench_sub.add_parser(
+        "planner", help="goodput on a swinging input:output workload, every fixed split "
+                        "against the planner"))
     from splitserve.bench.chaos import main as bench_chaos
     bench_chaos.add_arguments(bench_sub.add_parser(
         "chaos", help="a randomized fault campaign against a local cluster, checking "
