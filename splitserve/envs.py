@@ -53,6 +53,17 @@ def parent_stdin() -> bool:
     return os.environ.get(PARENT_STDIN) == "1"
 
 
+PLANNER_SCALE_FD = "SPLITSERVE_PLANNER_SCALE_FD"
+
+
+def planner_scale_fd() -> int | None:
+    """SPLITSERVE_PLANNER_SCALE_FD: the descriptor of the pipe a planner asks for workers
+    on, set by the process that started it and may start and stop workers (`up --planner
+    --max-workers`: orchestrator/up.py); unset, the planner only moves workers."""
+    value = os.environ.get(PLANNER_SCALE_FD, "")
+    return int(value) if value.isdigit() else None
+
+
 API_KEY = "SPLITSERVE_API_KEY"
 
 

@@ -1,5 +1,7 @@
 """`splitserve up`'s workers and a fleet's orchestrator processes (fleet.py): child
-processes restarted when they exit, while the others keep serving.
+processes restarted when they exit, while the others keep serving. A child can be added
+while they run, and retired: stopped with SIGTERM and not started again (the planner's
+scaling, orchestrator/up.py).
 
 A worker that exits is started again after a delay that doubles with each exit (1 s up to
 30 s), back to 1 s once it has run for a minute: a worker that cannot start does not spin.
@@ -28,9 +30,10 @@ class WorkerChild:
     EOF when this process is gone; notify() writes to it)."""
 
     def __init__(self, role: str, url: str, cmd: list[str], env: dict,
-                 stdin: bytes | None = None, what: str = "worker"):
+                 stdin: bytes | None = None, what: str = "worker", pass_fds=()):
         self.role, self.url, self.cmd, self.env = role, url, cmd, env
-        self.stdin, self.what = stdin, what
+        self.stdin, self.what, self.pass_fds = stdin, what, tuple(pass_fds)
+        self.retired = False
         self.backoff = BACKOFF_MIN
         self.restart_at: float | None = None
         self.proc: subprocess.Popen | None = None
@@ -40,9 +43,10 @@ class WorkerChild:
         if self.proc is not None and self.proc.stdin is not None:
             self.proc.stdin.close()
         if self.stdin is None:
-            self.proc = subprocess.Popen(self.cmd, env=self.env)
+            self.proc = subprocess.Popen(self.cmd, env=self.env, pass_fds=self.pass_fds)
         else:
-            self.proc = subprocess.Popen(self.cmd, env=self.env, stdin=subprocess.PIPE)
+            self.proc = subprocess.Popen(self.cmd, env=self.env, stdin=subprocess.PIPE,
+                                         pass_fds=self.pass_fds)
             self.proc.stdin.write(self.stdin)
             self.proc.stdin.flush()
             os.set_blocking(self.proc.stdin.fileno(), False)
@@ -76,7 +80,7 @@ class Supervisor:
     async def watch(self, on_exit: Callable[[str], None]) -> None:
         """Restart exited workers until cancelled; on_exit(url) as soon as one exits."""
         while True:
-            for child in self.children:
+            for child in list(self.children):
                 try:
                     self._tend(child, on_exit)
                 except OSError as exc:    # could not start it: try again later
@@ -84,8 +88,31 @@ class Supervisor:
                     self._schedule(child, time.monotonic())
             await asyncio.sleep(POLL_INTERVAL)
 
+    def add(self, child: WorkerChild) -> WorkerChild:
+        """One more child (started already), tended from now on."""
+        self.children.append(child)
+        return child
+
+    def retire(self, url: str) -> bool:
+        """SIGTERM the child serving url; it is not started again. False: none does."""
+        for child in self.children:
+            if child.url == url and not child.retired:
+                child.retired = True
+                if child.proc.poll() is None:
+                    child.proc.send_signal(signal.SIGTERM)
+                logger.info("%s: retiring %s (pid %d)", self.log_prefix, child, child.proc.pid)
+                return True
+        return False
+
     def _tend(self, child: WorkerChild, on_exit: Callable[[str], None]) -> None:
         now = time.monotonic()
+        if child.retired:
+            if child.proc.poll() is not None:
+                self.children.remove(child)
+                logger.info("%s: %s retired (%s)", self.log_prefix, child,
+                            describe_exit(child.proc.returncode))
+                on_exit(child.url)
+            return
         if child.restart_at is None:
             if child.proc.poll() is None:
                 return

@@ -21,6 +21,8 @@ import time
 import http.client
 import urllib.request
 
+import orjson
+
 from splitserve import envs
 from splitserve.config import KVTransferConfig
 from splitserve.listen import local_url, port_in_use, warn_if_open
@@ -105,49 +107,116 @@ def child_env(secret_env: dict[str, str]) -> dict[str, str]:
     return dict(os.environ, **secret_env, **{envs.PARENT_STDIN: "1"})
 
 
-def start_workers(args, plan: ClusterPlan, secret_env: dict[str, str],
-                  skip=()) -> list[WorkerChild]:
-    """skip: ports the KV ports must not take (the planner's)."""
-    env = child_env(secret_env)
-    # Fixed KV ports: a restarted worker comes back at the same endpoint, and each worker
-    # is told every endpoint it may pull from (it dials no other). Every worker's, not only
-    # the CTX workers': a role only labels a worker, and the planner moves workers between
-    # the pools, so a lease may be on any of them.
-    kv_ports = free_ports(args.port + 1 + len(plan.workers), len(plan.workers), skip)
-    kv_peers = ",".join(f"tcp://{KV_HOST}:{p}" for p in kv_ports)
-    children = []
-    for i, cpus in enumerate(plan.workers):
-        role = "ctx" if i < args.num_ctx else "gen"
-        port = args.port + 1 + i
-        kv = ["--kv-port", str(kv_ports[i]), "--kv-peers", kv_peers]
-        children.append(WorkerChild(role, local_url(args.worker_host, port),
-                                    worker_command(args, role, port, cpus) + kv, env,
-                                    stdin=b""))
-    return children
+class Slots:
+    """Where the cluster's workers run: one slot per worker it may hold (`--max-workers`,
+    else those it starts with), each a port, a fixed KV port and CPUs. Every worker lists
+    every slot's KV endpoint among its peers (it dials no other), not only the CTX
+    workers': a role only labels a worker, the planner moves workers between the pools and
+    adds some, so a lease may be on any of them. A restarted worker comes back at its
+    slot's endpoints."""
+
+    def __init__(self, args, plan: ClusterPlan, secret_env: dict[str, str], skip=()):
+        count = len(plan.workers)
+        self.args, self.cpus, self.env = args, plan.workers, child_env(secret_env)
+        self.ports = [args.port + 1 + i for i in range(count)]
+        self.kv_ports = free_ports(args.port + 1 + count, count, skip)
+        self.kv_peers = ",".join(f"tcp://{KV_HOST}:{p}" for p in self.kv_ports)
+        self.held: dict[int, WorkerChild] = {}
+
+    def start(self, role: str, slot: int) -> WorkerChild:
+        port = self.ports[slot]
+        kv = ["--kv-port", str(self.kv_ports[slot]), "--kv-peers", self.kv_peers]
+        child = WorkerChild(role, local_url(self.args.worker_host, port),
+                            worker_command(self.args, role, port, self.cpus[slot]) + kv,
+                            self.env, stdin=b"")
+        self.held[slot] = child
+        return child
+
+    def free(self) -> int | None:
+        """The first slot no worker holds (a retired one that exited holds none)."""
+        for slot in range(len(self.ports)):
+            child = self.held.get(slot)
+            if child is None or (child.retired and child.proc.poll() is not None):
+                return slot
+        return None
 
 
-def start_planner(args, secret_env: dict[str, str], port: int) -> WorkerChild:
-    """`splitserve planner` on this cluster's orchestrator, its /metrics on `port`."""
+def start_workers(args, slots: Slots) -> list[WorkerChild]:
+    return [slots.start("ctx" if i < args.num_ctx else "gen", i)
+            for i in range(args.num_ctx + args.num_gen)]
+
+
+class Scaler:
+    """Starts and retires workers as the planner asks, one JSON line each on its pipe
+    (planner/main.py): {"add": "ctx"|"gen"} takes the first free slot; {"retire": url}
+    stops that worker as a SIGTERM does (it leaves the pools, finishes what it holds) and
+    it is not started again."""
+
+    def __init__(self, slots: Slots, supervisor: Supervisor):
+        self.slots, self.supervisor = slots, supervisor
+
+    def handle(self, line: bytes) -> None:
+        try:
+            ask = orjson.loads(line)
+        except orjson.JSONDecodeError:
+            ask = None
+        if isinstance(ask, dict) and ask.get("add") in ("ctx", "gen"):
+            slot = self.slots.free()
+            if slot is None:
+                logger.warning("up: the planner asked for another %s worker; every one of "
+                               "the %d slots is taken", ask["add"], len(self.slots.ports))
+                return
+            child = self.supervisor.add(self.slots.start(ask["add"], slot))
+            logger.info("up: started %s (pid %d) for the planner", child, child.proc.pid)
+        elif isinstance(ask, dict) and isinstance(ask.get("retire"), str):
+            if not self.supervisor.retire(ask["retire"]):
+                logger.warning("up: the planner asked to retire %s, which is not one of "
+                               "this cluster's workers", ask["retire"][:200])
+        else:
+            logger.warning("up: the planner sent a request up does not know: %r", line[:200])
+
+    async def listen(self, fd: int) -> None:
+        """Until cancelled: the planner's requests on the pipe's read end."""
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader()
+        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader),
+                                     os.fdopen(fd, "rb", buffering=0))
+        while line := await reader.readline():
+            self.handle(line)
+
+
+def start_planner(args, secret_env: dict[str, str], port: int,
+                  scale_fd: int | None) -> WorkerChild:
+    """`splitserve planner` on this cluster's orchestrator, its /metrics on `port`; where it
+    may start workers (--max-workers), scale_fd is the write end of the pipe it asks on."""
     cmd = [sys.executable, "-m", "splitserve.cli", "--log-level", args.log_level, "planner",
            "--orchestrator", local_url(args.host, args.port), "--port", str(port),
            "--interval", str(args.planner_interval), "--window", str(args.planner_window),
            "--cooldown", str(args.planner_cooldown)]
-    for name in ("ttft_p90_ms", "itl_p90_ms"):
+    for name in ("ttft_p90_ms", "itl_p90_ms", "max_workers"):
         if getattr(args, name) is not None:
             cmd += ["--" + name.replace("_", "-"), str(getattr(args, name))]
-    return WorkerChild("planner", local_url(KV_HOST, port), cmd, child_env(secret_env),
-                       stdin=b"", what="process")
+    env = child_env(secret_env)
+    if scale_fd is not None:
+        env[envs.PLANNER_SCALE_FD] = str(scale_fd)
+    return WorkerChild("planner", local_url(KV_HOST, port), cmd, env, stdin=b"",
+                       what="process", pass_fds=() if scale_fd is None else (scale_fd,))
 
 
 def check_planner(args) -> None:
     """The planner's settings, checked before anything starts (a usage error)."""
     if not args.planner:
-        if args.ttft_p90_ms is not None or args.itl_p90_ms is not None:
-            raise ValueError("--ttft-p90-ms and --itl-p90-ms are the planner's: add --planner")
+        if args.ttft_p90_ms is not None or args.itl_p90_ms is not None \
+                or args.max_workers is not None:
+            raise ValueError("--ttft-p90-ms, --itl-p90-ms and --max-workers are the "
+                             "planner's: add --planner")
         return
     PlannerConfig(ttft_p90_ms=args.ttft_p90_ms, itl_p90_ms=args.itl_p90_ms,
                   interval=args.planner_interval, window=args.planner_window,
-                  cooldown=args.planner_cooldown)
+                  cooldown=args.planner_cooldown, max_workers=args.max_workers)
+    if args.max_workers is not None and args.max_workers < args.num_ctx + args.num_gen:
+        raise ValueError(f"--max-workers ({args.max_workers}) is fewer than the workers up "
+                         f"starts with ({args.num_ctx + args.num_gen})")
 
 
 def wait_healthy(procs, urls, timeout: float) -> None:
@@ -204,7 +273,8 @@ def cluster_config(args, secret_env: dict[str, str]) -> ClusterConfig:
 
 
 def up(args) -> int:
-    plan = plan_cluster(usable_cpus(), args.num_ctx + args.num_gen, args.threads)
+    slots = max(args.num_ctx + args.num_gen, args.max_workers or 0)
+    plan = plan_cluster(usable_cpus(), slots, args.threads)
     for i, cpus in enumerate(plan.workers):
         logger.info("up: worker %d: %s", i, cpus.describe())
     # Workers are told their CPUs on their command lines, so they may leave this one's.
@@ -224,10 +294,20 @@ def up(args) -> int:
         logger.error("up: %s", problem)
         return 1
     planner_port = free_ports(args.port + 1 + len(plan.workers), 1)[0] if args.planner else None
-    children = start_workers(args, plan, secret_env, skip={planner_port})
+    slots = Slots(args, plan, secret_env, skip={planner_port})
+    children = start_workers(args, slots)
+    scale_read, scale_write = os.pipe() if args.max_workers is not None else (None, None)
     if planner_port is not None:
-        children.append(start_planner(args, secret_env, planner_port))
+        children.append(start_planner(args, secret_env, planner_port, scale_write))
     supervisor = Supervisor(children)
+    scaler = Scaler(slots, supervisor) if scale_read is not None else None
+
+    async def tend(on_exit) -> None:
+        """The companion: restart what exits; start and retire what the planner asks."""
+        if scaler is None:
+            await supervisor.watch(on_exit)
+        else:
+            await asyncio.gather(supervisor.watch(on_exit), scaler.listen(scale_read))
     # Signals during startup must still stop the children.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
@@ -235,10 +315,10 @@ def up(args) -> int:
         wait_healthy([c.proc for c in workers], [c.url for c in workers], args.start_timeout)
         if config.processes > 1:
             asyncio.run(run_fleet(config, args.log_level, banner(config, args),
-                                  companion=lambda registry: supervisor.watch(registry.forget)))
+                                  companion=lambda registry: tend(registry.forget)))
         else:
             asyncio.run(run_orchestrator(config, banner=banner(config, args),
-                                         companion=lambda orch: supervisor.watch(orch.mark_down)))
+                                         companion=lambda orch: tend(orch.mark_down)))
         return 0
     except KeyboardInterrupt:
         return 0

@@ -72,6 +72,10 @@ def add_arguments(p) -> None:
                    help="the planner's SLO on the context pool's time to first token")
     p.add_argument("--itl-p90-ms", type=float, default=None,
                    help="the planner's SLO on the generation pool's inter-token latency")
+    p.add_argument("--max-workers", type=int, default=None,
+                   help="the planner may start workers up to this many in all (and stop them "
+                        "again down to one per pool); each has a slot reserved at start: a "
+                        "port, a KV port, CPUs (default: none, it only moves workers)")
     p.add_argument("--planner-interval", type=float, default=Planner.interval,
                    help="seconds between the planner's looks (default: %(default)s)")
     p.add_argument("--planner-window", type=float, default=Planner.window,

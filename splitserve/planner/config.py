@@ -32,6 +32,12 @@ class PlannerConfig:
         "--min-ctx", "context workers the planner always leaves"))
     min_gen: int = field(default=1, metadata=flag(
         "--min-gen", "generation workers the planner always leaves"))
+    max_workers: int | None = field(default=None, metadata=flag(
+        "--max-workers", "where the planner may start workers (`up --planner`): the most the "
+        "pools hold together (None: it only moves workers)"))
+    scale_down_below: float = field(default=0.3, metadata=flag(
+        "--scale-down-below", "where it may stop workers: it retires one while both pools "
+        "are below this fraction of their SLOs"))
     host: str = field(default="127.0.0.1", metadata=flag(
         "--host", "where the planner serves /metrics and /health"))
     port: int = field(default=0, metadata=flag("--port", "0: any free port (logged)"))
@@ -50,3 +56,8 @@ class PlannerConfig:
             raise ValueError(f"--headroom must be in (0, 1], got {self.headroom}")
         if self.min_samples < 1 or self.min_ctx < 1 or self.min_gen < 1:
             raise ValueError("--min-samples, --min-ctx and --min-gen must be at least 1")
+        if self.max_workers is not None and self.max_workers < self.min_ctx + self.min_gen:
+            raise ValueError(f"--max-workers must be at least --min-ctx + --min-gen "
+                             f"({self.min_ctx + self.min_gen}), got {self.max_workers}")
+        if not 0 < self.scale_down_below < 1:
+            raise ValueError(f"--scale-down-below must be in (0, 1), got {self.scale_down_below}")

@@ -2,12 +2,17 @@
 each member's /metrics (internal requests: the cluster's secret), decide (policy.py), and
 carry out a move (POST /internal/workers/role). Every move is logged at INFO with the
 numbers behind it; a hold is logged when its reason changes. /metrics counts both.
+
+Where the planner may start and stop workers, the process that started it (`up`) gave it
+a pipe (envs.planner_scale_fd): it asks there, one JSON line each,
+{"add": "ctx"|"gen"} or {"retire": url}, and `up` carries it out (orchestrator/up.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 import urllib.request
 
@@ -21,7 +26,7 @@ from splitserve.httpd.server import Admission
 from splitserve.internal_client import InternalClient
 from splitserve.metrics import Counter, Gauge, Registry
 from splitserve.planner.config import PlannerConfig
-from splitserve.planner.policy import Decision, PoolView, decide
+from splitserve.planner.policy import Decision, PoolView, Scaling, decide
 from splitserve.planner.window import Sample, Window, read_sample
 from splitserve.protocol.internal_api import WORKERS_PATH, WORKERS_ROLE_PATH
 from splitserve.protocol.openai import status_error_body
@@ -31,6 +36,8 @@ from splitserve.signals import wait_for_stop_signal
 logger = logging.getLogger(__name__)
 
 TIMEOUT = 5.0                     # seconds for one internal request
+CHANGE_TIMEOUT = 300.0            # seconds an added worker may take to join, a retired one
+                                  # to leave, before the planner stops waiting for it
 MAX_METRICS_BYTES = 4 << 20       # a worker's /metrics read at most
 
 
@@ -47,17 +54,27 @@ class PlannerMetrics:
         self.p90 = r.register(Gauge(p + "p90_seconds", "The window's p90: ttft of the "
                                     "context pool, itl of the generation pool", ("signal",)))
         self.workers = r.register(Gauge(p + "pool_workers", "Workers in each pool", ("pool",)))
+        self.scaled = r.register(Counter(p + "scaled_total", "Workers the planner asked to "
+                                         "start (add) or stop (retire), by pool",
+                                         ("action", "pool")))
 
 
 class Planner:
-    def __init__(self, config: PlannerConfig, secret: str):
+    def __init__(self, config: PlannerConfig, secret: str, scale_fd: int | None = None):
         self.config = config
+        # Where it may start and stop workers: the pipe to the process that does.
+        self.scale_fd = scale_fd if config.max_workers is not None else None
+        self.scaling = (Scaling(config.max_workers, config.scale_down_below)
+                        if self.scale_fd is not None else None)
         self.orchestrator = config.orchestrator.rstrip("/")
         self.client = InternalClient(secret)
         self.window = Window(config.window)
         self.metrics = PlannerMetrics()
         self.last_move = -float("inf")
         self.last_reason: str | None = None
+        self.reachable = True
+        # An add or retire asked for and not yet seen: (the member count it makes, until when)
+        self.pending: tuple[int, float] | None = None
 
     # -- the cluster, over HTTP (blocking: called on a thread) ---------------------------
     def _call(self, url: str, body: dict | None = None) -> bytes:
@@ -88,13 +105,31 @@ class Planner:
             self.metrics.errors.labels("move").inc()
             return False
 
+    def ask(self, request: dict) -> bool:
+        """One line to the process that starts and stops workers."""
+        try:
+            os.write(self.scale_fd, orjson.dumps(request) + b"\n")
+            return True
+        except OSError as exc:
+            logger.warning("planner: asking for %s failed: %s", request, exc)
+            self.metrics.errors.labels("scale").inc()
+            return False
+
     # -- one look ---------------------------------------------------------------------------
     async def look(self) -> Decision | None:
         try:
             members = await asyncio.to_thread(self.members)
         except (OSError, ValueError, KeyError) as exc:
-            logger.warning("planner: the orchestrator's member list: %s", exc)
+            if self.reachable:        # said once, not every look
+                logger.warning("planner: reading the orchestrator's members failed (%s); "
+                               "trying every %g s", exc, self.config.interval)
+            self.reachable = False
             self.metrics.errors.labels("members").inc()
+            return None
+        if not self.reachable:
+            logger.info("planner: %s answers again", self.orchestrator)
+        self.reachable = True
+        if self._waiting(len(members)):
             return None
         samples = await asyncio.gather(*(asyncio.to_thread(self.scrape, m["url"])
                                          for m in members))
@@ -106,9 +141,28 @@ class Planner:
         decision = decide(*self._pools(members), min_samples=self.config.min_samples,
                           headroom=self.config.headroom, min_ctx=self.config.min_ctx,
                           min_gen=self.config.min_gen,
-                          cooling=now - self.last_move < self.config.cooldown)
-        await self._act(decision)
+                          cooling=now - self.last_move < self.config.cooldown,
+                          scale=self.scaling)
+        await self._act(decision, len(members))
         return decision
+
+    def _waiting(self, count: int) -> bool:
+        """An add or retire not yet seen in the members: no other change meanwhile (a worker
+        starts in seconds; counting it missing would ask for another). Once seen, the
+        cooldown starts, and a fresh window."""
+        if self.pending is None:
+            return False
+        target, deadline = self.pending
+        now = time.monotonic()
+        if count != target and now < deadline:
+            return True
+        if count != target:
+            logger.warning("planner: %d members after %g s, not the %d asked for; going on",
+                           count, CHANGE_TIMEOUT, target)
+        self.pending = None
+        self.last_move = now
+        self.window.restart()
+        return False
 
     def _pools(self, members: list[dict]) -> tuple[PoolView, PoolView]:
         views = []
@@ -123,7 +177,7 @@ class Planner:
             views.append(PoolView(name, loads, p90, samples, slo))
         return views[0], views[1]
 
-    async def _act(self, decision: Decision) -> None:
+    async def _act(self, decision: Decision, count: int) -> None:
         if decision.action == "hold":
             self.metrics.holds.labels(decision.reason).inc()
             if decision.reason != self.last_reason:
@@ -132,8 +186,20 @@ class Planner:
             return
         logger.info("planner: %s", decision.describe())
         self.last_reason = None
-        if await asyncio.to_thread(self.move, decision.url, decision.dst):
-            self.metrics.moves.labels(decision.src, decision.dst).inc()
+        if decision.action == "move":
+            done = await asyncio.to_thread(self.move, decision.url, decision.dst)
+            if done:
+                self.metrics.moves.labels(decision.src, decision.dst).inc()
+        else:
+            pool = decision.dst if decision.action == "add" else decision.src
+            done = self.ask({"add": pool} if decision.action == "add"
+                            else {"retire": decision.url})
+            if done:
+                self.metrics.scaled.labels(decision.action, pool).inc()
+                change = 1 if decision.action == "add" else -1
+                self.pending = (count + change, time.monotonic() + CHANGE_TIMEOUT)
+                return
+        if done:
             self.last_move = time.monotonic()
             self.window.restart()
 
@@ -171,7 +237,10 @@ async def run_planner(config: PlannerConfig, should_stop=None) -> None:
     if not secret:
         raise ValueError("the planner needs the cluster's internal secret "
                          "(SPLITSERVE_INTERNAL_SECRET)")
-    planner = Planner(config, secret)
+    planner = Planner(config, secret, envs.planner_scale_fd())
+    if config.max_workers is not None and planner.scale_fd is None:
+        logger.warning("planner: --max-workers is for a planner that may start workers "
+                       "(up --planner); this one only moves them")
     server = PlannerServer(planner)
     await server.http.start(config.host, config.port, 128)
     logger.info("planner: %s, SLO ttft p90 %s ms, itl p90 %s ms; metrics on http://%s:%d",

@@ -3,6 +3,7 @@ cluster serves, and no request fails (splitserve/planner/)."""
 
 import json
 import re
+import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -31,22 +32,33 @@ def burst(up, start: int, n: int) -> list[str]:
         return list(pool.map(one, range(start, start + n)))
 
 
-def test_ttft_over_its_slo_moves_a_generation_worker_to_context(tmp_path):
+def serve_until(up, done, what: str, timeout: float = 180.0) -> None:
+    """Bursts of requests, every one answered in full, until done() (a change the planner
+    makes under that load)."""
+    deadline, sent = time.monotonic() + timeout, 0
+    while not done():
+        assert time.monotonic() < deadline, what
+        assert set(burst(up, sent, 16)) == {"length"}
+        sent += 16
+
+
+def planner_cluster(tmp_path, *args: str):
+    """`up --planner` on the tiny model, looking every 0.3 s; (the cluster, its log)."""
     log = tmp_path / "up.log"
+    return UpCluster("--model", "tiny-random", "--planner", "--planner-interval", "0.3", *args,
+                     log=log, log_level="INFO"), log
+
+
+def test_ttft_over_its_slo_moves_a_generation_worker_to_context(tmp_path):
     # Any prefill misses a 0.001 ms TTFT; no ITL SLO can be missed at 100 s.
-    up = UpCluster("--model", "tiny-random", "--num-ctx", "1", "--num-gen", "2",
-                   "--ctx-router", "least_loaded", "--planner", "--ttft-p90-ms", "0.001",
-                   "--itl-p90-ms", "100000", "--planner-interval", "0.3",
-                   "--planner-window", "30", "--planner-cooldown", "600",
-                   log=log, log_level="INFO")
+    up, log = planner_cluster(tmp_path, "--num-ctx", "1", "--num-gen", "2", "--ctx-router",
+                              "least_loaded", "--ttft-p90-ms", "0.001", "--itl-p90-ms", "100000",
+                              "--planner-window", "30", "--planner-cooldown", "600")
     try:
         before = members(up)
         assert sorted(before.values()) == ["context", "generation", "generation"]
-        sent = 0
-        while list(members(up).values()).count("context") < 2:
-            assert sent < 400, "the planner moved no worker"
-            assert set(burst(up, sent, 16)) == {"length"}
-            sent += 16
+        serve_until(up, lambda: list(members(up).values()).count("context") == 2,
+                    "the planner moved no worker")
         after = members(up)
         moved = [u for u in after if after[u] != before[u]]
         assert len(moved) == 1 and before[moved[0]] == "generation"
@@ -65,6 +77,43 @@ def test_ttft_over_its_slo_moves_a_generation_worker_to_context(tmp_path):
         planner = metrics(f"http://127.0.0.1:{port}")
         assert planner['splitserve_planner_moves_total{from="gen",to="ctx"}'] == 1
         assert get(f"http://127.0.0.1:{port}/health")[0] == 200
+        up.interrupt()
+    finally:
+        up.close()
+
+
+def test_both_pools_over_their_slos_the_planner_adds_workers_up_to_max_workers(tmp_path):
+    up, log = planner_cluster(tmp_path, "--num-ctx", "1", "--num-gen", "1", "--ttft-p90-ms",
+                              "0.001", "--itl-p90-ms", "0.001", "--max-workers", "3",
+                              "--planner-cooldown", "1")
+    try:
+        serve_until(up, lambda: len(members(up)) == 3, "the planner added no worker")
+        text = log.read_text()
+        assert "planner: add a worker to" in text and "for the planner" in text
+        wait_for(lambda: sum(up.joined().values()) == 3, 60, "the added worker healthy")
+        assert set(burst(up, 5000, 16)) == {"length"}
+        # at the limit it holds, and says why
+        wait_for(lambda: "both_over_slo_at_max_workers" in log.read_text(), 30, "the hold")
+        assert "every one of the 3 slots is taken" not in log.read_text()
+        up.interrupt()
+    finally:
+        up.close()
+
+
+def test_both_pools_far_within_their_slos_the_planner_retires_a_worker(tmp_path):
+    up, log = planner_cluster(tmp_path, "--num-ctx", "1", "--num-gen", "2", "--ttft-p90-ms",
+                              "600000", "--itl-p90-ms", "600000", "--max-workers", "3",
+                              "--planner-cooldown", "600")
+    try:
+        before = members(up)
+        serve_until(up, lambda: len(members(up)) == 2, "the planner retired no worker")
+        gone = set(before) - set(members(up))
+        assert len(gone) == 1 and before[gone.pop()] == "generation"
+        wait_for(lambda: " retired (exited with code 0)" in log.read_text(), 60,
+                 "the retired worker's exit")
+        assert set(burst(up, 5000, 16)) == {"length"}
+        time.sleep(2)     # it is not started again
+        assert len(members(up)) == 2 and "restarting it" not in log.read_text()
         up.interrupt()
     finally:
         up.close()
