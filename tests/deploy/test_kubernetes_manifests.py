@@ -20,8 +20,8 @@ from splitserve.cli import build_parser
 from splitserve.kv.peers import KVPeers
 from splitserve.orchestrator.cluster import ClusterConfig
 
-# The oldest Kubernetes the manifests are for (a preStop `sleep` action needs 1.30) and the
-# newest the validator knows.
+# The oldest Kubernetes the manifests are for (the first to enable the orchestrator's preStop
+# `sleep` action by default) and the newest the validator knows.
 KUBERNETES_VERSIONS = ("1.30", "1.37")
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
 SECRET_VARIABLES = {"SPLITSERVE_INTERNAL_SECRET", "SPLITSERVE_API_KEY"}
@@ -39,13 +39,19 @@ def _load_render():
 
 render = _load_render()
 
+MODELS = "[{name: models, persistentVolumeClaim: {claimName: models, readOnly: true}}]"
+MODELS_MOUNT = "[{name: models, mountPath: /models, readOnly: true}]"
 VARIANTS = {
     "default": ([], []),
     "single": (["overlays/single.yaml"], []),
     "gpu": (["overlays/gpu.yaml"], []),
     "gpu-single": (["overlays/single.yaml", "overlays/gpu.yaml"], []),
     "etcd3-scaled": ([], ["etcd.replicas=3", "ctx.replicas=3", "gen.replicas=4",
-                          "worker.model=/models/llama", "orchestrator.serviceType=LoadBalancer"]),
+                          "orchestrator.serviceType=LoadBalancer", "worker.model=/models/llama",
+                          "orchestrator.cluster.model=/models/llama",
+                          f"worker.volumes={MODELS}", f"worker.volumeMounts={MODELS_MOUNT}",
+                          f"orchestrator.volumes={MODELS}",
+                          f"orchestrator.volumeMounts={MODELS_MOUNT}"]),
 }
 
 
