@@ -7,6 +7,7 @@ secrets come from a Secret, never written into a manifest."""
 from __future__ import annotations
 
 import argparse
+import copy
 import functools
 import importlib.util
 import re
@@ -65,8 +66,13 @@ def variant(request) -> str:
     return request.param
 
 
-def objects(variant: str) -> list[dict]:
+@functools.cache
+def _rendered(variant: str) -> list[dict]:
     return render.render(values_of(variant))
+
+
+def objects(variant: str) -> list[dict]:
+    return copy.deepcopy(_rendered(variant))
 
 
 def containers(objs: list[dict]):
