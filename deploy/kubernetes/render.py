@@ -265,7 +265,8 @@ def dump(objects: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        description="Renders splitserve's Kubernetes manifests as one YAML stream on stdout.")
     parser.add_argument("-f", "--values", action="append", default=[], metavar="FILE",
                         help="a values file merged over values.yaml (overlays/*.yaml or "
                              "your own); several apply in order")
@@ -276,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(dump(render(load_values(args.values, args.set))))
     except RenderError as exc:
         parser.error(str(exc))
+    except (KeyError, TypeError) as exc:    # a value an overlay took away or reshaped
+        parser.error(f"a value is missing or not of the shape values.yaml gives it ({exc})")
     return 0
 
 
