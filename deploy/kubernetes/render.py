@@ -115,12 +115,17 @@ def engine_args(worker: dict) -> list[str]:
     return model + device + list(worker["args"])
 
 
+def ctx_kv_host(values: dict, pod: str) -> str:
+    """The name a CTX pod's KV server binds and advertises (--kv-host): its own name under
+    the headless Service, which the pod's /etc/hosts holds from its start."""
+    return f"{pod}.splitserve-ctx.$(POD_NAMESPACE).svc.{values['clusterDomain']}"
+
+
 def kv_peers(values: dict) -> str:
-    """The KV endpoints every CTX the StatefulSet may run advertises (its --kv-host): a GEN
-    takes KV from these names only, so they are written exactly as the CTXs write them."""
-    return ",".join(
-        f"tcp://splitserve-ctx-{i}.splitserve-ctx.$(POD_NAMESPACE).svc.{values['clusterDomain']}"
-        f":{values['ports']['kv']}" for i in range(values["ctx"]["maxReplicas"]))
+    """The KV endpoints of every CTX the StatefulSet may run: a GEN takes KV from these
+    names only, so they are written exactly as the CTXs advertise them."""
+    return ",".join(f"tcp://{ctx_kv_host(values, f'splitserve-ctx-{i}')}:{values['ports']['kv']}"
+                    for i in range(values["ctx"]["maxReplicas"]))
 
 
 def etcd_initial_cluster(values: dict) -> str:
@@ -195,6 +200,7 @@ def derived(values: dict) -> dict:
         "orchestratorMembershipArgs": orchestrator,
         "workerMembershipArgs": worker,
         "engineArgs": engine_args(values["worker"]),
+        "ctxKvHost": ctx_kv_host(values, "$(POD_NAME)"),
         "kvPeers": kv_peers(values),
         "etcdInitialCluster": etcd_initial_cluster(values),
         "workerProbes": worker_probes(values),
