@@ -2,7 +2,9 @@
 
 Prefill: one prompt of --prefill-len tokens at a time (chunked by the token budget), timed
 from admission to first token. Decode: B requests admitted and prefilled first, then only
-decode steps are timed; tok/s = B / median step time.
+decode steps are timed; tok/s = B / median step time. Each decode batch also gets its memory
+floor (floor.py): the bytes a step must read over the read bandwidth measured in the same
+run, and the step's time as a multiple of it.
 
 The machines this runs on are shared, so each measurement also reports how many cores other
 processes kept busy meanwhile (Linux /proc/stat); above ~0.2 the numbers say more about the
@@ -22,6 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from splitserve import placement
+from splitserve.bench.engine import floor
 from splitserve.kernels import build
 from splitserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from splitserve.flags import add_flags, from_flags
@@ -148,13 +151,38 @@ def run(args) -> dict:
         result["other_cores_busy"]["plain_reference"] = other
         print(f"  plain PyTorch forward of the same shapes, {args.prefill_len} tokens: "
               f"{tps:7.1f} tok/s{_load_note(other)}")
+    result["memory_floor"] = floor_info = _floor(engine, args, result)
     for b in args.batch_sizes:
         tps, other = _measure(lambda: bench_decode(engine, b, args.decode_steps,
                                                    args.decode_prompt_len, rng))
-        result["decode_tok_s"][str(b)], result["decode_ms_step"][str(b)] = tps, 1000 * b / tps
+        ms = 1000 * b / tps
+        result["decode_tok_s"][str(b)], result["decode_ms_step"][str(b)] = tps, ms
         result["other_cores_busy"][str(b)] = other
-        print(f"  decode batch {b:>3}: {tps:7.1f} tok/s  ({1000 * b / tps:.1f} ms/step){_load_note(other)}")
+        low = floor_info["floor_ms"][str(b)]
+        floor_info["over_floor"][str(b)] = ms / low
+        print(f"  decode batch {b:>3}: {tps:7.1f} tok/s  ({ms:.1f} ms/step; memory floor "
+              f"{low:.1f} ms, {ms / low:.1f}x){_load_note(other)}")
     return _write(args, result)
+
+
+def _floor(engine: EngineCore, args, result: dict) -> dict:
+    """Bytes each decode batch's step reads (at its mean context over the timed steps) and
+    the read bandwidth measured now."""
+    import torch
+    cfg = engine.model_config
+    weights = args.quantization if args.quantization == "int8" else result["dtype"]
+    kv_bytes = torch.empty((), dtype=engine.runner.kv_cache.dtype).element_size()
+    context = args.decode_prompt_len + args.decode_steps // 2
+    bandwidth = floor.read_bandwidth()
+    steps = {str(b): floor.step_bytes(cfg, weights, kv_bytes, b, context)
+             for b in args.batch_sizes}
+    print(f"  memory floor: {floor.weight_bytes(cfg, weights) / 1e6:.0f} MB of {weights} "
+          f"weights a step, read at {bandwidth / 1e9:.1f} GB/s ({torch.get_num_threads()} "
+          f"thread(s), measured now)")
+    return {"read_gb_s": bandwidth / 1e9, "weights": weights,
+            "weight_bytes": floor.weight_bytes(cfg, weights), "context": context,
+            "step_bytes": steps, "floor_ms": {b: 1000 * n / bandwidth for b, n in steps.items()},
+            "over_floor": {}}
 
 
 def _write(args, result: dict) -> dict:

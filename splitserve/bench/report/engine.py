@@ -34,7 +34,7 @@ def engine(cfg: ReportConfig) -> Section:
             run_step(cmds[-1], 240 if cfg.quick else 600, cfg.result(f"logs/engine-{name}.log"))
             results[name] = r = {**load_json(path), "background": probe.cores()}
         except STEP_ERRORS as exc:
-            rows.append([name, failed_cell(exc)] + [""] * 7)
+            rows.append([name, failed_cell(exc)] + [""] * 8)
             continue
         d, ms = r["decode_tok_s"], r["decode_ms_step"]
         layout = ", packed weights" if r.get("packed_weights") else ""
@@ -47,6 +47,7 @@ def engine(cfg: ReportConfig) -> Section:
                      f"{num(r['prefill_tok_s'])} ({r['prefill_len']} tokens)",
                      *(num(d.get(b)) for b in ("1", "8", "32")),
                      " / ".join(num(ms.get(b), 0) for b in ("1", "8", "32")),
+                     _over_floor(r),
                      _verdict(r["prefill_tok_s"], TARGET_PREFILL),
                      _verdict(d.get("8"), TARGET_DECODE8), num(r["background"])])
     scope = "" if cfg.model is None else " (they are for the bundled model, not this one)"
@@ -58,15 +59,28 @@ def engine(cfg: ReportConfig) -> Section:
         "for this CPU (splitserve/kernels/); the -pytorch rows run them in PyTorch instead. "
         "`splitserve bench engine` times the engine alone, in "
         "one process with torch's default threads (all cores), no HTTP: prefill is one prompt "
-        f"at a time; decode tok/s is the batch size over the median step time; {BACKGROUND}.",
+        f"at a time; decode tok/s is the batch size over the median step time; the memory "
+        "floor is the bytes a step must read (each linear's weights once, the KV so far) over "
+        "the read bandwidth measured in the same run (splitserve/bench/engine/floor.py); "
+        f"{BACKGROUND}.",
         table(["configuration", "prefill tok/s", "decode tok/s b=1", "b=8", "b=32",
-               "ms/step b=1 / 8 / 32", "prefill ≥ 1,500", "decode b=8 ≥ 260",
+               "ms/step b=1 / 8 / 32", "b=1 step / memory floor", "prefill ≥ 1,500",
+               "decode b=8 ≥ 260",
                "background (cores)"], rows),
         "Targets from the issue, which is what a widely used engine reaches with the same "
         "model on the machine they were set on (AVX512-BF16; the reference below says how "
         f"this one compares): decode at batch 8 ≥ 260 tok/s, prefill ≥ 1,500 tok/s{scope}.",
         _kernel_note(results), _bf16_note(results), _reference_note(results), commands(cmds)])
     return Section(ENGINE, body, _engine_summary(results))
+
+
+def _over_floor(r: dict) -> str:
+    """'3.1× (11 ms at 24 GB/s)': batch 1's step over its memory floor."""
+    f = r.get("memory_floor")
+    if not f or "1" not in f.get("over_floor", {}):
+        return ""
+    return (f"{f['over_floor']['1']:.1f}× ({num(f['floor_ms']['1'], 1)} ms at "
+            f"{f['read_gb_s']:.0f} GB/s)")
 
 
 def _kernel_configs() -> list[tuple[str, list[str]]]:
