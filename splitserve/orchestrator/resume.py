@@ -123,35 +123,41 @@ class Numbering:
     __slots__ = ("stamp", "skip", "count", "_head", "_ours")
 
     def __init__(self, stamp: bytes, skip: int = 0):
-        self.stamp, self.skip, self.count = stamp, skip, 0
+        self.stamp = b"." + stamp + b"\n"     # what follows n in each id line
+        self.skip, self.count = skip, 0
         self._head: bytes | None = None     # the workers' chunk head, once seen
         self._ours = b""                    # ... and the stream's own in its place
 
     def events(self, whole: bytes) -> bytes:
         """whole: complete events (each ending in a blank line) -> the ones to send, with ids."""
-        out = []
-        for event in whole[:-2].split(b"\n\n"):
-            data = event.startswith(_DATA)
-            counted = data and not event.startswith(_UNCOUNTED)
-            self.count += counted
-            if self.count < self.skip or (counted and self.count == self.skip):
-                continue                        # the client has it
-            if data:
-                out.append(b"id: %d.%s\n%s\n\n" % (self.count, self.stamp, self._own(event)))
-            else:                               # a comment, not an event: as it came
-                out.append(event + b"\n\n")
-        return b"".join(out)
+        if whole.find(b"\n\n") == len(whole) - 2:      # one event: most writes
+            return self._one(whole[:-2])
+        return b"".join(self._one(e) for e in whole[:-2].split(b"\n\n"))
 
-    def _own(self, event: bytes) -> bytes:
-        if self._head is None and (m := _HEAD.match(event)) is not None:
-            started, sig = self.stamp.split(b".", 1)
+    def _one(self, event: bytes) -> bytes:
+        data = event.startswith(_DATA)
+        counted = data and not event.startswith(_UNCOUNTED)
+        self.count += counted
+        if self.count < self.skip or (counted and self.count == self.skip):
+            return b""                          # the client has it
+        if not data:                            # a comment, not an event: as it came
+            return event + b"\n\n"
+        if self._head is None:
+            self._learn(event)
+        if self._head is not None and event.startswith(self._head):
+            event = self._ours + event[len(self._head):]
+        return b"id: " + str(self.count).encode() + self.stamp + event + b"\n\n"
+
+    def _learn(self, event: bytes) -> None:
+        """The head of the workers' chunks, if `event` is one, and the stream's own: a
+        response id named from the stamp's signature, created at its start."""
+        m = _HEAD.match(event)
+        if m is not None:
+            started, sig = self.stamp[1:-1].split(b".", 1)
             name = hashlib.sha256(sig).hexdigest()[:32].encode()
             self._head = m[0]
             self._ours = (m[0][:m.start(2)] + name + m[0][m.end(2):m.start(3)] + started
                           + m[0][m.end(3):])
-        if self._head is not None and event.startswith(self._head):
-            return self._ours + event[len(self._head):]
-        return event
 
     @property
     def past_end(self) -> bool:
@@ -173,6 +179,9 @@ class EventStream:
         self.error: bytes | None = None   # the last error event skipped (a resumed stream)
 
     async def write(self, data: bytes) -> None:
+        if not self.rest and data.endswith(b"\n\n"):    # whole events: most writes
+            await self._whole(data)
+            return
         self.rest += data
         end = self.rest.rfind(b"\n\n")
         if end < 0:
@@ -182,6 +191,9 @@ class EventStream:
             return
         whole = bytes(self.rest[:end + 2])
         del self.rest[:end + 2]
+        await self._whole(whole)
+
+    async def _whole(self, whole: bytes) -> None:
         if self.out is None and _UNCOUNTED[0] in whole:
             self.error = whole[whole.rindex(_UNCOUNTED[0]):].split(b"\n\n", 1)[0]
         await self._send(self.numbering.events(whole))
