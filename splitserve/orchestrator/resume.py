@@ -194,8 +194,11 @@ class EventStream:
         await self._whole(whole)
 
     async def _whole(self, whole: bytes) -> None:
-        if self.out is None and _UNCOUNTED[0] in whole:
-            self.error = whole[whole.rindex(_UNCOUNTED[0]):].split(b"\n\n", 1)[0]
+        if self.out is None:
+            if self.request.conn.transport.is_closing():   # gone while its events are skipped
+                raise ConnectionResetError("the client closed the connection")
+            if _UNCOUNTED[0] in whole:
+                self.error = whole[whole.rindex(_UNCOUNTED[0]):].split(b"\n\n", 1)[0]
         await self._send(self.numbering.events(whole))
 
     async def _send(self, chunk: bytes) -> None:

@@ -33,6 +33,11 @@ class Client:
 
     def __init__(self):
         self.opened, self.data, self.ended = 0, b"", False
+        self.conn = self                 # (conn.transport.is_closing(): the client left)
+        self.transport, self.closing = self, False
+
+    def is_closing(self) -> bool:
+        return self.closing
 
     def stream(self, headers: dict, status: int = 200) -> "Client":
         self.opened += 1
@@ -108,6 +113,15 @@ def test_a_last_event_id_past_the_end_is_a_416_and_nothing_is_streamed():
     assert json.loads(answer.body)["error"]["param"] == "Last-Event-ID"
     answer, client = relayed(STREAM, skip=4)       # all the client lacks is [DONE]
     assert events(client.data) == [("4.5.sig", b"data: [DONE]")]
+
+
+def test_a_client_gone_while_its_events_are_skipped_stops_the_second_run():
+    client = Client()
+    out = EventStream(client, Numbering(b"5.sig", skip=3), {}, 200)
+    asyncio.run(out.write(event("a")))
+    client.closing = True
+    with pytest.raises(ConnectionResetError):
+        asyncio.run(out.write(event("b")))
 
 
 def test_a_resumed_stream_that_fails_before_the_rest_answers_its_error():
