@@ -6,6 +6,7 @@ import http.client
 import json
 import os
 import signal
+import time
 
 import pytest
 
@@ -42,6 +43,19 @@ def open_stream(port: int, body: dict, rid: str, last: str | None = None):
         headers["Last-Event-ID"] = last
     conn.request("POST", "/v1/completions", json.dumps(body), headers)
     return conn, conn.getresponse(), pid
+
+
+def reconnect(port: int, body: dict, rid: str, last: str, timeout: float = 30.0):
+    """open_stream again, as a client does after it lost one: tried until a process of the
+    fleet takes the connection (the only other one may be restarting itself)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return open_stream(port, body, rid, last)
+        except (ConnectionError, http.client.RemoteDisconnected):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
 
 
 def read_events(resp, limit: int | None = None) -> list[tuple[str, str]]:
@@ -84,7 +98,7 @@ def test_a_stream_resumes_through_another_process_after_its_own_is_killed(fleet,
     wait_for(lambda: not alive(pid), 10, "the orchestrator process gone")
     conn.close()
 
-    conn, resp, other = open_stream(fleet.port, body, rid, last=have[-1][0])
+    conn, resp, other = reconnect(fleet.port, body, rid, have[-1][0])
     assert other != pid and resp.status == 200, resp.read()
     rest = read_events(resp)
     conn.close()
