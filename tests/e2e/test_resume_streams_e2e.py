@@ -15,6 +15,8 @@ from server_utils import Orchestrator, Worker, alive, wait_for
 MODEL = ("--model", "tiny-random", "--dtype", "float32")
 BODY = {"model": "tiny-random", "prompt": "Once upon a time", "max_tokens": 40,
         "ignore_eos": True, "stream": True}
+CHAT = {"model": "tiny-random", "messages": [{"role": "user", "content": "Once upon a time"}],
+        "max_tokens": 40, "ignore_eos": True, "stream": True}
 KEPT = 12     # events the client reads before its orchestrator process dies
 
 
@@ -33,6 +35,7 @@ def fleet(tmp_path_factory):
 
 
 def open_stream(port: int, body: dict, rid: str, last: str | None = None):
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
     """(connection, response, pid of the orchestrator process serving it): /health asked
     first on the same keep-alive connection names the process."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
@@ -41,7 +44,7 @@ def open_stream(port: int, body: dict, rid: str, last: str | None = None):
     headers = {"Content-Type": "application/json", "X-Request-Id": rid}
     if last is not None:
         headers["Last-Event-ID"] = last
-    conn.request("POST", "/v1/completions", json.dumps(body), headers)
+    conn.request("POST", path, json.dumps(body), headers)
     return conn, conn.getresponse(), pid
 
 
@@ -73,24 +76,28 @@ def read_events(resp, limit: int | None = None) -> list[tuple[str, str]]:
 
 
 def text(events) -> str:
-    return "".join(json.loads(d)["choices"][0]["text"] for _, d in events
-                   if d != "[DONE]" and json.loads(d)["choices"])
+    out = []
+    for _, d in events:
+        choices = json.loads(d)["choices"] if d != "[DONE]" else []
+        for c in choices:
+            out.append(c["text"] if "text" in c else c["delta"].get("content") or "")
+    return "".join(out)
 
 
 def serial(event_id: str) -> int:
     return int(event_id.split(".")[0])
 
 
-@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 0.9, "seed": 7}],
-                         ids=["greedy", "seeded"])
-def test_a_stream_resumes_through_another_process_after_its_own_is_killed(fleet, sampling):
-    body = {**BODY, **sampling}
-    conn, resp, _ = open_stream(fleet.port, body, f"clean-{sampling['temperature']}")
+@pytest.mark.parametrize("name, body", [
+    ("greedy", {**BODY, "temperature": 0}), ("seeded", {**BODY, "temperature": 0.9, "seed": 7}),
+    ("chat-seeded", {**CHAT, "temperature": 0.9, "seed": 5})])
+def test_a_stream_resumes_through_another_process_after_its_own_is_killed(fleet, name, body):
+    conn, resp, _ = open_stream(fleet.port, body, f"clean-{name}")
     clean = read_events(resp)
     conn.close()
-    assert clean[-1][1] == "[DONE]" and len(clean) > KEPT + 2
+    assert clean[-1][1] == "[DONE]" and len(clean) > KEPT + 2 and text(clean)
 
-    rid = f"cut-{sampling['temperature']}"
+    rid = f"cut-{name}"
     conn, resp, pid = open_stream(fleet.port, body, rid)
     assert resp.status == 200 and resp.getheader("X-Request-Id") == rid
     have = read_events(resp, KEPT)
