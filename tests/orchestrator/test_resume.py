@@ -175,10 +175,11 @@ def test_only_a_request_whose_events_are_a_function_of_it_resumes():
     assert "order" in not_reproducible({**BODY, "n": 2}, split=True)
 
 
-async def _refusal(body: dict, **headers) -> tuple[int, dict]:
+async def _refusal(body: dict, keys=(), **headers) -> tuple[int, dict]:
     """The orchestrator's answer to a resumption it refuses before any worker (none here)."""
     nowhere = PoolConfig(("http://127.0.0.1:9",))
-    orch = Orchestrator(ClusterConfig(nowhere, nowhere, port=0, internal_secret=SECRET))
+    orch = Orchestrator(ClusterConfig(nowhere, nowhere, port=0, internal_secret=SECRET,
+                                      api_key=keys))
     await orch.start()
     try:
         raw = json.dumps(body).encode()
@@ -205,3 +206,14 @@ def test_the_orchestrator_names_why_a_resumption_is_refused():
             (sampled, f"1.{stamp}", 409, "seed")]:
         status_got, error = asyncio.run(_refusal(body, Last_Event_ID=last, X_Request_Id="r1"))
         assert (status_got, error["param"]) == (status, param), error
+
+
+def test_a_stream_resumes_only_with_the_api_key_it_was_sent_to():
+    stamp = ids().stamp("r1", "key-a", digest("/v1/completions", BODY)).decode()
+    status, error = asyncio.run(_refusal(BODY, keys=("key-a", "key-b"), Last_Event_ID=f"1.{stamp}",
+                                         X_Request_Id="r1", Authorization="Bearer key-b"))
+    assert (status, error["param"]) == (404, "Last-Event-ID"), error
+    status, error = asyncio.run(_refusal(BODY, keys=("key-a", "key-b"), Last_Event_ID=f"1.{stamp}",
+                                         X_Request_Id="r1", Authorization="Bearer key-a"))
+    assert status >= 500, error         # accepted: served again, on no worker here
+
