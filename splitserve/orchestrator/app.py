@@ -21,7 +21,7 @@ from splitserve.httpd.connections import Standing
 from splitserve.httpd.limits import FD_HEADROOM, LISTEN_BACKLOG, raise_fd_limit
 from splitserve.httpd.router import ANY, NO_BODY, Route, Router
 from splitserve.httpd.server import Admission
-from splitserve.orchestrator import relay, split
+from splitserve.orchestrator import relay, resume, split
 from splitserve.orchestrator.cluster import ClusterConfig
 from splitserve.orchestrator.decide import Decider
 from splitserve.orchestrator.metrics import OrchestratorMetrics
@@ -62,6 +62,7 @@ class Orchestrator:
         self.metrics = OrchestratorMetrics()
         self.pools = Pools(config, self.metrics)
         self.decider = Decider(config, self.metrics)
+        self.ids = resume.StreamIds(config.internal_secret, config.resume_window)
         self._kv_poll: asyncio.Task | None = None
         self.registry = Registry(config.remove_unhealthy_after) if control_url is None else None
         self.membership = (LocalMembership(self.registry) if control_url is None
@@ -126,19 +127,27 @@ class Orchestrator:
             relay.check_fields(body, request.path == "/v1/chat/completions", self.unknown,
                                self.config.trust_request_chat_template)
             relay.check_logprobs(request.body, body, request.path == "/v1/chat/completions")
+            client = body      # as the client sent it: what a resumption must repeat
             body = relay.salted(body, self.isolation.salt(body.get("cache_salt"),
                                                           self.gate.tenant(request.header)))
             pieces = split.parts(request.body, body, request.path == "/v1/chat/completions")
+            numbering = self._numbering(request, client, pieces is not None)
+            served = request if numbering is None else resume.NumberedRequest(request, numbering)
             if pieces is not None:
                 route = "split"
-                resp = await split.Fanout(request, body, self._serve_one).run(pieces)
+                resp = await split.Fanout(served, body, self._serve_one).run(pieces)
             else:
-                resp, route = await self._serve_one(request, body, t0)
+                resp, route = await self._serve_one(served, body, t0)
+            if numbering is not None:
+                resp = resume.numbered(resp, numbering)
             status = resp.status
             return resp
         except InvalidRequestError as exc:
             status = 400
             return _error(400, exc.message, param=exc.param)
+        except resume.Refused as exc:
+            status = exc.status
+            return _error(exc.status, exc.message, param=exc.param)
         except relay.UpstreamError as exc:
             status = exc.status
             return _error(exc.status, str(exc), "server_error", retry_after=exc.retry_after)
@@ -153,6 +162,23 @@ class Orchestrator:
             self.metrics.e2e.observe(time.time() - t0)
             if not self.config.disable_log_requests:
                 log_finished("orch", request, status, t0, route)
+
+    def _numbering(self, request: Request, body: dict, split: bool) -> resume.Numbering | None:
+        """The ids of a streamed request's events (None: it does not stream), resuming after
+        its Last-Event-ID if it sends one; resume.Refused: a resumption not to serve."""
+        last = request.header(resume.LAST_EVENT_ID)
+        if body.get("stream") is not True:
+            if last is not None:
+                raise resume.Refused(400, "only a streamed request (stream: true) resumes")
+            return None
+        tenant, digest = self.gate.tenant(request.header), resume.digest(request.path, body)
+        skip, started = 0, None
+        if last is not None:
+            skip, started = self.ids.check(last, request.id, tenant, digest)
+            reason = resume.not_reproducible(body, split)
+            if reason is not None:
+                raise resume.Refused(409, f"this stream cannot be resumed: {reason}", "seed")
+        return resume.Numbering(self.ids.stamp(request.id, tenant, digest, started), skip)
 
     async def forward(self, request: Request) -> Response:
         """/tokenize and /detokenize: a generation worker's answer (Pools.forward)."""

@@ -56,6 +56,9 @@ class ClusterConfig:
     # A generation worker that dies mid-stream: continue the stream on another one from the
     # tokens already sent (orchestrator/migrate.py); off: the stream ends with an error event.
     migrate_streams: bool = True
+    # A client that lost a stream may resume it (Last-Event-ID, orchestrator/resume.py) this
+    # many seconds after it started; 0: no stream resumes.
+    resume_window: float = 600.0
     # Prompts of at most this many tokens (or whose tokens but this many a GEN already
     # caches) are prefilled on the GEN itself, skipping CTX and the KV transfer
     # (orchestrator/decide.py). 0: every prompt goes through CTX.
@@ -101,6 +104,8 @@ class ClusterConfig:
         if self.load_poll_interval < 0:
             raise ValueError(f"load_poll_interval must be 0 or more, got "
                              f"{self.load_poll_interval!r}")
+        if self.resume_window < 0:
+            raise ValueError(f"resume_window must be 0 (off) or more, got {self.resume_window!r}")
         if self.max_retries < 0:
             raise ValueError(f"max_retries must be 0 or more, got {self.max_retries!r}")
         if self.max_body_bytes < 1024:
