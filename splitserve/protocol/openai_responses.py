@@ -259,7 +259,9 @@ class StreamEncoder(_Response):
             if self.chat:
                 out = self._event({"index": index, "delta": {"role": "assistant", "content": ""},
                                    "logprobs": None, "finish_reason": None})
-                if self.chat_echo:
+                if self.chat_echo and self.tool_parser is not None:
+                    text = self.chat_echo + text     # calls in it are parsed too
+                elif self.chat_echo:
                     out += self._event({"index": index, "delta": {"content": self.chat_echo},
                                         "logprobs": None, "finish_reason": None})
             elif self.echo:
