@@ -9,14 +9,9 @@ import json
 import openai
 import pytest
 
-from server_utils import UpCluster, get, post
+from server_utils import get, logged_up, post
+from tool_utils import TOOLS, satisfied
 
-PARAMS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
-                                           "days": {"type": "integer", "minimum": 1,
-                                                    "maximum": 7}},
-          "required": ["city", "days"], "additionalProperties": False}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": PARAMS}},
-         {"type": "function", "function": {"name": "now"}}]
 USER = [{"role": "user", "content": "What is the weather in Paris?"}]
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 PATH = "/v1/chat/completions"
@@ -24,19 +19,7 @@ PATH = "/v1/chat/completions"
 
 @pytest.fixture(scope="module")
 def up(tmp_path_factory):
-    log = tmp_path_factory.mktemp("tools") / "up.log"
-    cluster = UpCluster("--model", "tiny-random", "--dtype", "float32", log=log,
-                        log_level="INFO")
-    yield cluster, log
-    cluster.close()
-
-
-def satisfied(name: str, arguments: str) -> bool:
-    args = json.loads(arguments)
-    if name == "now":
-        return args == {}
-    return (name == "get_weather" and set(args) == {"city", "days"}
-            and 1 <= args["days"] <= 7 and len(args["city"]) <= 10)
+    yield from logged_up(tmp_path_factory, "tools")
 
 
 def test_required_and_named_whole_and_streamed_with_the_openai_client(up):

@@ -15,14 +15,9 @@ from splitserve.tokens import PromptTokens
 
 from disagg_utils import PROMPT, drain, engine, handoff, serving, tokens
 from engine_requests import add_request
+from tool_utils import TOOLS, satisfied
 
 HERMES = get_parser("hermes")
-PARAMS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
-                                           "days": {"type": "integer", "minimum": 1,
-                                                    "maximum": 7}},
-          "required": ["city", "days"], "additionalProperties": False}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": PARAMS}},
-         {"type": "function", "function": {"name": "now"}}]
 
 
 @pytest.fixture(scope="module")
@@ -44,15 +39,6 @@ def calls_of(e, deltas):
     return calls
 
 
-def check(call):
-    args = json.loads(call.arguments)
-    if call.name == "get_weather":
-        assert set(args) == {"city", "days"} and 1 <= args["days"] <= 7
-        assert isinstance(args["city"], str) and len(args["city"]) <= 10
-    else:
-        assert call.name == "now" and args == {}
-
-
 @pytest.mark.parametrize("choice, extra", [
     ("required", {"temperature": 0}),
     ("required", {"temperature": 1.0, "seed": 3, "n": 3}),
@@ -72,7 +58,7 @@ def test_required_and_named_answers_are_calls_that_satisfy_the_schema(pair, choi
     for ds in by_index.values():
         assert ds[-1].finish_reason == FinishReason.STOP
         for call in calls_of(ctx, ds):
-            check(call)
+            assert satisfied(call.name, call.arguments), call
             if isinstance(choice, dict):
                 assert call.name == choice["function"]["name"]
 
