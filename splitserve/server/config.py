@@ -37,6 +37,11 @@ class ServerConfig:
     trust_request_chat_template: bool = trust_templates_field()
     # protocol/tool_parsers: the format tool calls are parsed from (None: the model family's)
     tool_call_parser: str | None = tool_parser_field()
+    # A request's grammar (structured output, tool calling) compiles in the tokenizer pool
+    # within this, else a 400 naming its field (server/generate.py)
+    grammar_compile_seconds: float = field(default=10.0, metadata=flag(
+        "--grammar-compile-seconds", "a request whose grammar takes longer to compile gets "
+                                     "400 (structured output, tool calling)"))
     engine_start_timeout: float = 600.0
     # Requests waiting for the engine (submitted, not running) past which new ones get 503 +
     # Retry-After instead of a place in an unbounded queue. Far above what the benchmarks
@@ -90,6 +95,8 @@ class ServerConfig:
             raise ValueError("max_waiting_requests must be at least 1")
         if self.api_server_count < 1:
             raise ValueError(f"api_server_count must be at least 1, got {self.api_server_count}")
+        if not self.grammar_compile_seconds > 0:
+            raise ValueError("grammar_compile_seconds must be positive")
         if not self.engine_stall_seconds > 0:
             raise ValueError("engine_stall_seconds must be positive")
         check_isolation(self.cache_isolation, self.api_key)

@@ -15,6 +15,7 @@ from typing import AsyncIterator
 
 import numpy as np
 
+from splitserve.errors import InvalidRequestError
 from splitserve.httpd import ChunkedStream, Request, Response
 from splitserve.protocol.block_hashes import salted_root
 from splitserve.protocol.disagg import DisaggregatedParams, ids_comment, relayed_handle
@@ -95,12 +96,20 @@ class GenerateHandlers:
 
     async def _check_grammar(self, params: SamplingParams, specs=()) -> None:
         """Structured output: the grammar compiles (cached by spec), in the tokenizer pool,
-        or the request is a 400 naming its field before it reaches the engine; so do
-        `specs` first (a tool-calling request's schemas: protocol/tools.with_tools)."""
-        specs = [*specs, *([params.grammar] if params.grammar is not None else [])]
-        if specs:
-            grammars = self.server.grammars
-            await self.server.in_pool(lambda: [grammars.check(s) for s in specs])
+        within grammar_compile_seconds, or the request is a 400 naming its field before it
+        reaches the engine; so do `specs` first (a tool-calling request's schemas:
+        protocol/tools.with_tools). A compile past the bound goes on in its thread (its
+        work is bounded by llguidance's fuel) and is cached for the next request."""
+        grammars, limit = self.server.grammars, self.server.config.grammar_compile_seconds
+        for spec in [*specs, *([params.grammar] if params.grammar is not None else [])]:
+            if grammars.cached(spec) is not None:
+                continue
+            try:
+                await asyncio.wait_for(self.server.in_pool(lambda s=spec: grammars.check(s)),
+                                       limit)
+            except TimeoutError:
+                raise InvalidRequestError(f"{spec.field}: compiling the grammar took longer "
+                                          f"than {limit:g} s", spec.field) from None
 
     def _tool_parser(self, req):
         """The parser a chat answer's tool calls are read with; None: they are not."""
