@@ -164,3 +164,17 @@ def test_streamed_tool_calls_as_openai_sends_them():
     assert calls == {0: {"name": "get_weather", "arguments": '{"city": "Paris"}'},
                      1: {"name": "now", "arguments": "{}"}}
     assert not any(c["delta"].get("content") for c in choices[1:])
+
+
+def test_streamed_tool_calls_keep_every_tokens_logprobs():
+    from splitserve.protocol.engine import Logprob
+    req = request(tools=[WEATHER, NOW], stream=True, logprobs=True, top_logprobs=1)
+    enc = StreamEncoder(req, "m", tool_parser=HERMES, token_text=str)
+    sent = deltas(ANSWER, 5)
+    for i, d in enumerate(sent):
+        d.logprobs = [Logprob(i, -0.5, 1, [(i, -0.5)])]
+    events = [json.loads(e[len(b"data: "):]) for d in sent
+              for e in enc.chunk(d).split(b"\n\n") if e]
+    tokens = [entry["token"] for e in events for c in e["choices"]
+              if c["logprobs"] for entry in c["logprobs"]["content"]]
+    assert tokens == [str(i) for i in range(len(sent))]
