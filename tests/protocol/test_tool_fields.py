@@ -178,3 +178,17 @@ def test_streamed_tool_calls_keep_every_tokens_logprobs():
     tokens = [entry["token"] for e in events for c in e["choices"]
               if c["logprobs"] for entry in c["logprobs"]["content"]]
     assert tokens == [str(i) for i in range(len(sent))]
+
+
+def test_the_parser_flag_on_serve_and_up():
+    from splitserve.cli import build_parser, server_config
+    from splitserve.orchestrator.up import worker_command
+    from splitserve.placement import WorkerPlan
+    serve = server_config(build_parser().parse_args(["serve", "--tool-call-parser", "mistral"]))
+    assert serve.tool_call_parser == "mistral"
+    assert server_config(build_parser().parse_args(["serve"])).tool_call_parser is None
+    up = build_parser().parse_args(["up", "--tool-call-parser", "llama3_json"])
+    cmd = worker_command(up, "gen", 8001, WorkerPlan((0,), 1, (0,)))
+    assert cmd[cmd.index("--tool-call-parser") + 1] == "llama3_json"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--tool-call-parser", "pythonic"])
