@@ -13,6 +13,7 @@ from splitserve.protocol.grammar import grammar_spec
 from splitserve.protocol.cache_salt import check_cache_salt
 from splitserve.protocol.disagg import RELAY_MODES
 from splitserve.protocol.logprob_bound import check_generation_logprobs
+from splitserve.protocol.tools import check_tools
 from splitserve.protocol.openai_fields import (
     CHAT, COMPLETIONS, UnknownFields, refuse_obfuscation, refuse_request_template,
     refuse_unsupported)
@@ -83,6 +84,7 @@ def check_fields(body: dict, chat: bool, unknown: UnknownFields,
     grammar_spec(body.get)   # its shape; whether it compiles, the worker's tokenizer says
     if chat:
         refuse_request_template(body.get("chat_template"), trust_templates)
+        check_tools(body.get)   # shapes and bounds; whether schemas compile, the worker says
     unknown.check(body, endpoint)
 
 
@@ -181,7 +183,11 @@ def as_stream(answer: dict, include_usage: bool, continuous_usage: bool = False)
     for c in answer.get("choices", []):
         if chat:
             msg = c.get("message") or {}
-            choice = {"index": c["index"], "delta": {"role": "assistant", "content": msg.get("content")},
+            delta = {"role": "assistant", "content": msg.get("content")}
+            if msg.get("tool_calls"):
+                delta["tool_calls"] = [{"index": i, **call}
+                                       for i, call in enumerate(msg["tool_calls"])]
+            choice = {"index": c["index"], "delta": delta,
                       "logprobs": c.get("logprobs"), "finish_reason": c.get("finish_reason")}
         else:
             choice = {"index": c["index"], "text": c.get("text", ""), "logprobs": c.get("logprobs"),

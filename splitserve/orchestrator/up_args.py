@@ -7,6 +7,7 @@ from __future__ import annotations
 from splitserve.config import EngineConfig
 from splitserve.flags import add_flags, config_flags
 from splitserve.orchestrator.cluster import ClusterConfig
+from splitserve.protocol.tool_parsers import ToolParserFlag
 
 # The config's KV transports but none, which moves no KV: a cluster's generation_only output
 # would be garbage (bench frontend only)
@@ -50,6 +51,7 @@ def add_arguments(p) -> None:
                         "on a generation worker) are prefilled there, skipping the context "
                         "worker and the KV transfer (default %(default)s: off)")
     add_flags(p, ClusterConfig, "--chat-template", "--trust-request-chat-template")
+    add_flags(p, ToolParserFlag, "--tool-call-parser")
     p.add_argument("--start-timeout", type=float, default=600.0)
     p.add_argument("--max-in-flight", type=int, default=ClusterConfig.max_in_flight,
                    help="requests served at once; past it, 503 with Retry-After at once "

@@ -46,22 +46,7 @@ def _equals(*values) -> Callable[[Any, Callable], bool]:
     return accepts
 
 
-def _tools(value, get) -> bool:
-    """No tool may be called: none given, or tool_choice "none" (the tools then reach the
-    chat template, as vLLM renders them)."""
-    return _empty(value, get) or get("tool_choice") == "none"
-
-
-def _tool_choice(value, get) -> bool:
-    """"none"; "auto" or "required" only over an empty list of tools (vLLM: "required" of
-    no tools is "none")."""
-    return value is None or value == "none" or (value in ("auto", "required")
-                                                and get("tools") == [])
-
-
 _unset.shown, _false.shown, _empty.shown = "null", "null, false", "null, [], {}"
-_tools.shown = 'null, [], any list of function tools with tool_choice "none"'
-_tool_choice.shown = 'null, "none"; "auto" or "required" with "tools": []'
 
 
 @dataclass(frozen=True)
@@ -89,7 +74,7 @@ def _refused(names: str, why: str, accepts=_unset, endpoints=BOTH) -> list[Field
 
 
 _STRUCTURED = "not supported"
-_TOOLS = "tool calling is not supported yet"
+_FUNCTIONS = "the deprecated form of tools and tool_choice: send those"
 
 FIELDS: dict[str, Field] = {f.name: f for f in [
     # OpenAI, both endpoints
@@ -116,15 +101,14 @@ FIELDS: dict[str, Field] = {f.name: f for f in [
     *_implemented("max_completion_tokens top_logprobs", "as max_tokens, logprobs", (CHAT,)),
     *_implemented("response_format", "text, json_object, or json_schema (with strict): "
                   "the answer is constrained to the schema (structured output)"),
-    *_refused("tools", f"{_TOOLS}; tools are accepted only with tool_choice \"none\"",
-              _tools, (CHAT,)),
-    *_refused("tool_choice", f"{_TOOLS}; only \"none\" is accepted", _tool_choice, (CHAT,)),
-    *_refused("functions", f"{_TOOLS} (functions is the deprecated form of tools)", _empty,
-              (CHAT,)),
-    *_refused("function_call", f"{_TOOLS}; only \"none\" is accepted", _equals("none"),
-              (CHAT,)),
-    *_implemented("parallel_tool_calls", "no tool is ever called, so none in parallel",
-                  (CHAT,)),
+    *_implemented("tools", "functions the model may call, rendered into the prompt by the "
+                  "chat template (tool calling)", (CHAT,)),
+    *_implemented("tool_choice", "none, auto (calls the answer writes are parsed into "
+                  "tool_calls), required or a named function (generation constrained to "
+                  "calls)", (CHAT,)),
+    *_refused("functions", _FUNCTIONS, _empty, (CHAT,)),
+    *_refused("function_call", _FUNCTIONS, _equals("none"), (CHAT,)),
+    *_implemented("parallel_tool_calls", "false: at most one call per answer", (CHAT,)),
     *_refused("audio", "audio output is not supported", endpoints=(CHAT,)),
     *_refused("modalities", "only text output is supported", _equals(["text"]), (CHAT,)),
     *_refused("prediction", "predicted outputs are not supported", endpoints=(CHAT,)),

@@ -5,14 +5,14 @@ Decoding checks types and shapes (`decode_*`); `.sampling_params()` maps the req
 SamplingParams, which checks value ranges. Both raise InvalidRequestError naming the
 offending parameter, so the HTTP layer answers 400 without guessing. Which fields exist
 and which are refused is protocol/openai_fields.py's list. A refused field is no field of
-these Structs but for chat's tools and tool_choice (the template reads tools under
-tool_choice "none"): `decode_*` first decodes a body with a decoder that refuses every
+these Structs: `decode_*` first decodes a body with a decoder that refuses every
 field the Struct lacks, so a body with none of them (nearly all) costs nothing more; a body
 with some is decoded again, its keys listed, each refused field's value checked
 (`refuse_unsupported`) and each unknown one told to `unknown` (one warning per name)."""
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any, Literal
 
@@ -22,6 +22,8 @@ from splitserve.errors import InvalidRequestError
 from splitserve.protocol.cache_salt import check_cache_salt
 from splitserve.protocol.disagg import DisaggregatedParams
 from splitserve.protocol.grammar import ResponseFormat, grammar_spec
+from splitserve.protocol.tools import check_tools
+from splitserve.protocol.tools import mode as tool_mode
 from splitserve.protocol.openai_fields import (
     CHAT, COMPLETIONS, UnknownFields, refuse_obfuscation, refuse_unsupported)
 from splitserve.sampling_params import INT32_MAX, MAX_N, MAX_STOP, SamplingParams
@@ -164,17 +166,41 @@ class ContentPart(msgspec.Struct, kw_only=True):
     text: str | None = None
 
 
+class CalledFunction(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str        # a JSON object's text, as OpenAI sends it
+
+
+class HistoryCall(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """An assistant's earlier tool call, as a client sends it back in the history."""
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+    def to_dict(self) -> dict:
+        """What chat templates read: Llama 3's, Qwen2's and ours write `arguments` with
+        tojson, so it is the decoded object where the text is one (as vLLM passes it)."""
+        try:
+            args = json.loads(self.function.arguments)
+        except ValueError:
+            args = self.function.arguments
+        call = {"type": "function", "function": {"name": self.function.name,
+                                                 "arguments": args}}
+        if self.id is not None:
+            call["id"] = self.id
+        return call
+
+
 class ChatMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
     role: Literal["system", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None   # a list of parts is flattened to a str
     name: str | None = None
     tool_call_id: str | None = None      # a tool message's: which call it answers
-    tool_calls: Any = None               # an assistant's earlier calls: tool calling's
+    tool_calls: list[HistoryCall] | None = None   # an assistant's earlier calls
 
     def __post_init__(self):
-        _check(self.tool_calls is None or self.tool_calls == [],
-               "tool_calls in the history are not supported: tool calling is not supported "
-               "yet", "tool_calls")
+        _check(not self.tool_calls or self.role == "assistant",
+               "only an assistant message has tool_calls", "tool_calls")
         if isinstance(self.content, list):
             for i, part in enumerate(self.content):
                 _check(part.type == "text" and part.text is not None,
@@ -189,6 +215,8 @@ class ChatMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
             msg["name"] = self.name
         if self.tool_call_id is not None:
             msg["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            msg["tool_calls"] = [c.to_dict() for c in self.tool_calls]
         return msg
 
 
@@ -200,7 +228,7 @@ class Function(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 
 class Tool(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """A tool as the chat template reads it (with tool_choice "none": never called)."""
+    """A function the model may call (protocol/tools.py); the chat template reads it."""
     type: Literal["function"]
     function: Function
 
@@ -220,8 +248,9 @@ class ChatCompletionRequest(_BaseRequest, kw_only=True, omit_defaults=True):
     add_special_tokens: bool = False          # vLLM: a BOS on top of the template's
     chat_template: str | None = None          # only where the server trusts it
     chat_template_kwargs: dict | None = None
-    tools: Any = None                         # JSON values: refused but under tool_choice
-    tool_choice: Any = None                   # "none" (openai_fields.py)
+    tools: Any = None                         # JSON values, checked by protocol/tools.py
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
 
     def __post_init__(self):
         super().__post_init__()
@@ -229,9 +258,8 @@ class ChatCompletionRequest(_BaseRequest, kw_only=True, omit_defaults=True):
             _check(bool(self.messages), "messages must not be empty", "messages")
         check_continuation(self)
         if self.tools is not None or self.tool_choice is not None:
-            refuse_unsupported(lambda name: getattr(self, name, None), CHAT)
+            check_tools(lambda name: getattr(self, name, None))
         if self.tools:
-            _check(isinstance(self.tools, list), "tools must be a list of tools", "tools")
             self.tools = _decode(lambda t: msgspec.convert(t, _tools_type), self.tools)
         _check(self.top_logprobs is None or 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
                f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}", "top_logprobs")
@@ -241,6 +269,11 @@ class ChatCompletionRequest(_BaseRequest, kw_only=True, omit_defaults=True):
 
     def conversation(self) -> list[dict]:
         return conversation(self.messages)
+
+    @property
+    def tool_mode(self) -> str:
+        """none, auto, required or the named function (protocol/tools.mode)."""
+        return tool_mode(self.tools, self.tool_choice)
 
     def echoed(self) -> str:
         """echo (vLLM): the last message's content, shown before the answer when it has the

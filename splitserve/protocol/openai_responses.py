@@ -19,6 +19,8 @@ from splitserve.protocol.openai_logprobs import (
     TokenText, chat_logprobs, chat_logprobs_json, completion_logprobs, completion_logprobs_json,
     vllm_prompt_logprobs_json)
 from splitserve.protocol.openai_requests import ChatCompletionRequest, CompletionRequest
+from splitserve.protocol.openai_tool_calls import ToolDeltas, finish_reason, tool_message
+from splitserve.protocol.tool_parsers import ToolParser
 
 # Indexed by FinishReason; HANDOFF (a context_only request continuing on a generation
 # worker) is not finished from the client's point of view.
@@ -111,8 +113,10 @@ class _Usage:
 class _Response:
     def __init__(self, request: CompletionRequest | ChatCompletionRequest, model: str, *,
                  token_text: TokenText | None = None, echo: Sequence[EchoPrompt] = (),
-                 request_id: str | None = None, created: int | None = None):
+                 request_id: str | None = None, created: int | None = None,
+                 tool_parser: ToolParser | None = None):
         self.chat = isinstance(request, ChatCompletionRequest)
+        self.tool_parser = tool_parser if self.chat else None   # tool calls are parsed
         self.id = request_id or response_id(self.chat)
         self.created = int(time.time()) if created is None else created
         self.model = model
@@ -204,7 +208,10 @@ class ResponseAccumulator(_Response):
         if c.logprobs is not None:
             logprobs = self._logprobs_json(c.logprobs, echo_items)
         reason = None if c.finish_reason is None else FINISH_REASONS[c.finish_reason]
-        if self.chat:
+        if self.tool_parser is not None:
+            message, made = tool_message(self.tool_parser, self.chat_echo + text)
+            out, reason = {"index": index, "message": message}, finish_reason(reason, made)
+        elif self.chat:
             out = {"index": index, "message": {"role": "assistant",
                                                "content": self.chat_echo + text}}
         else:
@@ -236,6 +243,7 @@ class StreamEncoder(_Response):
                       + b'","created":' + str(self.created).encode() + b',"model":'
                       + _encode(self.model) + b',"choices":[')
         self._started: set[int] = set()
+        self._tools: dict[int, ToolDeltas] = {}   # per choice, when tool calls are parsed
         self._offsets: dict[int, int] = {}   # completions: text_offset of the next token
 
     def chunk(self, delta: CompletionDelta, prompt_index: int = 0) -> bytes:
@@ -251,7 +259,9 @@ class StreamEncoder(_Response):
             if self.chat:
                 out = self._event({"index": index, "delta": {"role": "assistant", "content": ""},
                                    "logprobs": None, "finish_reason": None})
-                if self.chat_echo:
+                if self.chat_echo and self.tool_parser is not None:
+                    text = self.chat_echo + text     # calls in it are parsed too
+                elif self.chat_echo:
                     out += self._event({"index": index, "delta": {"content": self.chat_echo},
                                         "logprobs": None, "finish_reason": None})
             elif self.echo:
@@ -259,8 +269,31 @@ class StreamEncoder(_Response):
                 text = echo.text + text
                 if delta.prompt_logprobs is not None and delta.logprobs is not None:
                     echo_items = _echo_items(echo, delta.prompt_logprobs)
+        if self.tool_parser is not None:
+            return out + self._tool_events(index, delta, text)
         if text or delta.logprobs is not None or delta.finish_reason is not None:
             out += self._event(self._choice(index, delta, text, echo_items))
+        return out
+
+    def _tool_events(self, index: int, delta: CompletionDelta, text: str) -> bytes:
+        """The text's content and tool-call deltas (openai_tool_calls.py); at the end an
+        event of its own with the finish reason."""
+        tools = self._tools.get(index)
+        if tools is None:
+            tools = self._tools[index] = ToolDeltas(self.tool_parser)
+        done = delta.finish_reason is not None
+        deltas = tools.feed(text) + (tools.finish() if done else [])
+        logprobs = None
+        if delta.logprobs is not None:
+            logprobs, _ = self._logprobs(delta.logprobs, [], 0)
+            deltas = deltas or [{"content": ""}]
+        out = b"".join(self._event({"index": index, "delta": d, "logprobs": logprobs if k == 0
+                                    else None, "finish_reason": None})
+                       for k, d in enumerate(deltas))
+        if done:
+            reason = finish_reason(FINISH_REASONS[delta.finish_reason], tools.made > 0)
+            out += self._event({"index": index, "delta": {}, "logprobs": None,
+                                "finish_reason": reason, "stop_reason": delta.stop_reason})
         return out
 
     def usage_chunk(self) -> bytes:

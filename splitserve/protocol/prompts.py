@@ -19,6 +19,7 @@ import msgspec
 
 from splitserve.errors import InvalidRequestError
 from splitserve.flags import flag
+from splitserve.protocol.tool_template import tool_tokenizer, wants_tool_template
 from splitserve.protocol.openai_requests import (
     ChatCompletionRequest, check_continuation, check_template_kwargs, conversation)
 from splitserve.sampling_params import SamplingParams
@@ -27,9 +28,10 @@ from splitserve.tokens import PromptTokens
 
 def chat_prompt(tokenizer, chat, max_model_len: int) -> tuple[str, PromptTokens]:
     """(text, ids) of a chat request: its messages rendered by the model's chat template
-    with add_generation_prompt, chat_template_kwargs and its tools (a chat request's, given
-    with tool_choice "none") by its own chat_template if it has one (a server that allows
-    it: protocol/openai_fields.refuse_request_template), else the tokenizer's, cut after the last message's content under
+    with add_generation_prompt, chat_template_kwargs and its tools (a chat request's) by
+    its own chat_template if it has one (a server that allows it:
+    protocol/openai_fields.refuse_request_template), else the tokenizer's (for a request
+    with tools, the one that renders them: protocol/tool_template.py), cut after the last message's content under
     continue_final_message, then encoded with no special tokens added (the template wrote
     them) unless a ChatCompletionRequest asks for them with add_special_tokens. chat: a
     ChatCompletionRequest or a TokenizeRequest; its messages are ChatMessages, content parts
@@ -43,6 +45,8 @@ def chat_prompt(tokenizer, chat, max_model_len: int) -> tuple[str, PromptTokens]
         kwargs = {**kwargs, "tools": msgspec.to_builtins(chat.tools)}
     if getattr(chat, "chat_template", None):   # allowed by the server (openai_fields.py)
         tokenizer = tokenizer.replace(chat_template=chat.chat_template)
+    elif wants_tool_template(chat):
+        tokenizer = tool_tokenizer(tokenizer)
     text = tokenizer.apply_chat_template(conversation(chat.messages),
                                          add_generation_prompt=chat.add_generation_prompt,
                                          **kwargs)

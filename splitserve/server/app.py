@@ -24,6 +24,8 @@ from splitserve.protocol.cache_salt import CacheIsolation, derivation_key
 from splitserve.protocol.internal_api import KV_BLOCKS_PATH, load_body
 from splitserve.protocol.openai import error_body, status_error_body
 from splitserve.protocol.openai_requests import decode_tokenize_request
+from splitserve.protocol.tool_parsers import family_parser, get_parser
+from splitserve.protocol.tool_template import describe as describe_tools, tool_tokenizer
 from splitserve.protocol.prompts import chat_prompt, encode_prompt, with_template_file
 from splitserve.request_log import Totals, log_finished, log_throughput
 from splitserve.server.config import ServerConfig
@@ -74,6 +76,9 @@ class WorkerServer:
         # reaches the engine (a bad one is a 400); cached by spec.
         self.grammars = GrammarCompiler(self.tokenizer.to_json(), self.tokenizer.vocab_size,
                                         self.tokenizer.eos_token_ids)
+        # Tool calling: the format calls are parsed from (protocol/tool_parsers)
+        self.tool_parser = get_parser(config.tool_call_parser or family_parser(
+            tool_tokenizer(self.tokenizer).chat_template))
         self.gc = ServingGC()
         self.metrics = ServerMetrics()
         self.model_name = config.served_model_name
@@ -252,6 +257,8 @@ class WorkerServer:
         logger.info("%s: serving %s (%s) on http://%s:%d%s", self.log_prefix, ready.model_name,
                     ready.dtype, self.config.host, self.http.port,
                     f" (front-end {self.engine.peer}, pid {os.getpid()})" if shared else "")
+        logger.info("%s: tool calls: %s parser; %s", self.log_prefix, self.tool_parser.name,
+                    describe_tools(self.tokenizer))
         # One registration per worker: front-end 1 speaks for the others on the same port.
         self.registration = (Registration.start(self.config, self.http.port)
                              if self.engine.peer <= 1 else None)

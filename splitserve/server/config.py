@@ -12,6 +12,7 @@ from splitserve.protocol.cache_salt import check_isolation
 from splitserve.protocol.prompts import (
     check_template_file, template_file_field, trust_templates_field)
 from splitserve.protocol.roles import WORKER_ROLES
+from splitserve.protocol.tool_parsers import check_tool_parser, tool_parser_field
 from splitserve.trust import new_instance_id
 
 
@@ -34,6 +35,13 @@ class ServerConfig:
     # may bring its own (protocol/openai_fields.refuse_request_template)
     chat_template: str | None = template_file_field()
     trust_request_chat_template: bool = trust_templates_field()
+    # protocol/tool_parsers: the format tool calls are parsed from (None: the model family's)
+    tool_call_parser: str | None = tool_parser_field()
+    # A request's grammar (structured output, tool calling) compiles in the tokenizer pool
+    # within this, else a 400 naming its field (server/generate.py)
+    grammar_compile_seconds: float = field(default=10.0, metadata=flag(
+        "--grammar-compile-seconds", "a request whose grammar takes longer to compile gets "
+                                     "400 (structured output, tool calling)"))
     engine_start_timeout: float = 600.0
     # Requests waiting for the engine (submitted, not running) past which new ones get 503 +
     # Retry-After instead of a place in an unbounded queue. Far above what the benchmarks
@@ -87,10 +95,13 @@ class ServerConfig:
             raise ValueError("max_waiting_requests must be at least 1")
         if self.api_server_count < 1:
             raise ValueError(f"api_server_count must be at least 1, got {self.api_server_count}")
+        if not self.grammar_compile_seconds > 0:
+            raise ValueError("grammar_compile_seconds must be positive")
         if not self.engine_stall_seconds > 0:
             raise ValueError("engine_stall_seconds must be positive")
         check_isolation(self.cache_isolation, self.api_key)
         check_template_file(self.chat_template)
+        check_tool_parser(self.tool_call_parser)
 
     @property
     def log_prefix(self) -> str:

@@ -15,6 +15,7 @@ from typing import AsyncIterator
 
 import numpy as np
 
+from splitserve.errors import InvalidRequestError
 from splitserve.httpd import ChunkedStream, Request, Response
 from splitserve.protocol.block_hashes import salted_root
 from splitserve.protocol.disagg import DisaggregatedParams, ids_comment, relayed_handle
@@ -25,6 +26,7 @@ from splitserve.protocol.openai import (
     StreamEncoder, decode_chat_request, decode_completion_request, response_id, sse_error)
 from splitserve.protocol.openai_fields import UnknownFields, refuse_request_template
 from splitserve.protocol.prompts import chat_prompt, encode_prompt
+from splitserve.protocol.tools import NONE, with_tools
 from splitserve.sampling_params import SamplingParams
 from splitserve.server.admission import (
     engine_requests, logprob_entries, relay_fields, relayed_prompt, request_kind)
@@ -83,8 +85,8 @@ class GenerateHandlers:
         refuse_request_template(req.chat_template, self.server.config.trust_request_chat_template)
         self._internal_only(request, req)
         self.server.check_model(req.model)
-        params = req.sampling_params()
-        await self._check_grammar(params)
+        params, schemas = with_tools(req, req.sampling_params(), self.server.tool_parser)
+        await self._check_grammar(params, schemas)
         if request_kind(req) == RequestKind.GENERATION_ONLY:
             prompts, remote = self._relayed(req, params)
         else:
@@ -92,12 +94,27 @@ class GenerateHandlers:
         requests = self._engine_requests(request, req, prompts, params, remote)
         return await self._respond(request, req, requests, (), arrival)
 
-    async def _check_grammar(self, params: SamplingParams) -> None:
+    async def _check_grammar(self, params: SamplingParams, specs=()) -> None:
         """Structured output: the grammar compiles (cached by spec), in the tokenizer pool,
-        or the request is a 400 naming its field before it reaches the engine."""
-        if params.grammar is not None:
-            grammars = self.server.grammars
-            await self.server.in_pool(lambda: grammars.check(params.grammar))
+        within grammar_compile_seconds, or the request is a 400 naming its field before it
+        reaches the engine; so do `specs` first (a tool-calling request's schemas:
+        protocol/tools.with_tools). A compile past the bound goes on in its thread (its
+        work is bounded by llguidance's fuel) and is cached for the next request."""
+        grammars, limit = self.server.grammars, self.server.config.grammar_compile_seconds
+        for spec in [*specs, *([params.grammar] if params.grammar is not None else [])]:
+            if grammars.cached(spec) is not None:
+                continue
+            try:
+                await asyncio.wait_for(self.server.in_pool(lambda s=spec: grammars.check(s)),
+                                       limit)
+            except TimeoutError:
+                raise InvalidRequestError(f"{spec.field}: compiling the grammar took longer "
+                                          f"than {limit:g} s", spec.field) from None
+
+    def _tool_parser(self, req):
+        """The parser a chat answer's tool calls are read with; None: they are not."""
+        parsed = isinstance(req, ChatCompletionRequest) and req.tool_mode != NONE
+        return self.server.tool_parser if parsed else None
 
     def _internal_only(self, request: Request, req) -> None:
         """The front door (WorkerServer.dispatch) refused a body carrying
@@ -154,7 +171,7 @@ class GenerateHandlers:
         request's."""
         prompts = [r.prompt for r in requests]
         kwargs = dict(token_text=self.server.token_text, echo=echo,
-                      request_id=requests[0].request_id)
+                      request_id=requests[0].request_id, tool_parser=self._tool_parser(req))
         deltas = self._merged(requests)
         if echo is ECHO_BACK:
             deltas, echo = await echo_back(deltas, self.server)

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from server_utils import UpCluster, call, post
+from server_utils import call, logged_up, post
 from splitserve.version import __version__
 
 
@@ -34,11 +34,7 @@ def test_a_busy_port_is_one_line_before_anything_loads(command, tmp_path):
 
 @pytest.fixture(scope="module")
 def up(tmp_path_factory):
-    log = tmp_path_factory.mktemp("ops") / "up.log"
-    cluster = UpCluster("--model", "tiny-random", "--dtype", "float32", log=log,
-                        log_level="INFO")
-    yield cluster, log
-    cluster.close()
+    yield from logged_up(tmp_path_factory, "ops")
 
 
 def test_the_request_id_reaches_every_worker_it_touches(up):

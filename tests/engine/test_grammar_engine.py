@@ -162,3 +162,16 @@ def test_bench_serve_sends_the_response_format():
     assert "response_format" not in request_body(turn, [], "m", True, False)
     body = request_body(turn, [], "m", True, False, "json_schema")
     assert body["response_format"] == RESPONSE_FORMATS["json_schema"]
+
+
+def test_min_tokens_under_a_grammar_never_leaves_it(pair):
+    """min_tokens forbids EOS only where the grammar allows more than EOS: an answer the
+    grammar completes ends with stop even short of min_tokens (no illegal token, no hang);
+    one the grammar lets go on goes on until min_tokens, still matching it."""
+    ctx, _ = pair
+    out = run(ctx, "mt1", params(GrammarSpec(CHOICE, '["yes"]', "guided_choice"), min_tokens=6))
+    assert texts(ctx, out)[0] == "yes" and finals(out) == {0: FinishReason.STOP}
+    out = run(ctx, "mt2", params(GrammarSpec(REGEX, "(ab)+", "guided_regex"), min_tokens=6))
+    text = texts(ctx, out)[0]
+    assert len(tokens(out)) >= 6 and finals(out) == {0: FinishReason.STOP}
+    assert text and len(text) % 2 == 0 and text == "ab" * (len(text) // 2), text

@@ -279,6 +279,18 @@ class UpCluster:
                 pass
 
 
+def logged_up(tmp_path_factory, name: str):
+    """A module fixture's body (`yield from`): `up` of tiny-random in float32 (greedy is
+    exact) logging at INFO to a file; yields (cluster, the log's path)."""
+    log = tmp_path_factory.mktemp(name) / "up.log"
+    cluster = UpCluster("--model", "tiny-random", "--dtype", "float32", log=log,
+                        log_level="INFO")
+    try:
+        yield cluster, log
+    finally:
+        cluster.close()
+
+
 def memory_kb(pid: int) -> dict[str, int]:
     """VmRSS and VmHWM (peak) of a process, in kB."""
     with open(f"/proc/{pid}/status") as f:
