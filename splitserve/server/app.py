@@ -32,7 +32,8 @@ from splitserve.server.engine_link import EngineLink
 from splitserve.server.generate import GenerateHandlers
 from splitserve.server.kv_blocks import kv_blocks_response
 from splitserve.server.metrics import ServerMetrics
-from splitserve.server.registration import Registration
+from splitserve.server.etcd_registration import EtcdRegistration
+from splitserve.server.registration import Registration, own_url
 from splitserve.signals import wait_for_stop_signal
 from splitserve.trust import Gate, NotInternal, Refusal, forbidden
 from splitserve.version import __version__
@@ -253,8 +254,15 @@ class WorkerServer:
                     ready.dtype, self.config.host, self.http.port,
                     f" (front-end {self.engine.peer}, pid {os.getpid()})" if shared else "")
         # One registration per worker: front-end 1 speaks for the others on the same port.
-        self.registration = (Registration.start(self.config, self.http.port)
-                             if self.engine.peer <= 1 else None)
+        self.registration = (self._join(ready) if self.engine.peer <= 1 else None)
+
+    def _join(self, ready):
+        """Where this worker keeps itself in the cluster: etcd (--membership), an
+        orchestrator (--register), or nowhere (None)."""
+        if self.config.membership:
+            return EtcdRegistration.start(self.config, own_url(self.config.host, self.http.port),
+                                          ready, self.model_name)
+        return Registration.start(self.config, self.http.port)
 
     def totals(self) -> Totals:
         """The throughput line's counts: this front-end's tokens, the engine's requests."""
