@@ -48,17 +48,18 @@ class EtcdMembers:
         """Take a watch batch; whether the members changed."""
         before = dict(self.records)
         for event in events:
-            self._take(event)
+            self._take(event, before)
         return self.records != before
 
     def reset(self, events: list[Event]) -> bool:
         """The whole prefix, read again: members not in it left."""
         before, self.records = self.records, {}
         for event in events:
-            self._take(event)
+            self._take(event, before)
         return self.records != before
 
-    def _take(self, event: Event) -> None:
+    def _take(self, event: Event, before: dict[str, MemberRecord]) -> None:
+        """before: the members known until now (a member already known is not logged)."""
         record = None if event.value is None else read(event.key, event.value, self.keys)
         if record is None:
             self.records.pop(event.key, None)
@@ -68,7 +69,7 @@ class EtcdMembers:
                                "cluster's internal secret; it is not a member", event.key)
             return
         self.refused.discard(event.key)
-        if self.records.get(event.key) != record:
+        if before.get(event.key) != record:
             logger.info("orch: %s worker %s is a member (etcd)", record.role, record.url)
         self.records[event.key] = record
 

@@ -29,6 +29,7 @@ PREFIX = "/splitserve-test"
 TTL = 2
 WORKER = ("--model", "tiny-random", "--dtype", "float32")
 BODY = {"model": "tiny-random", "prompt": "The cluster keeps routing", "max_tokens": 4,
+        "ignore_eos": True,
         "temperature": 0}
 
 
