@@ -36,13 +36,13 @@ BODY = {"model": "tiny-random", "prompt": "The cluster keeps routing", "max_toke
 class Orchestrator(ServerProcess):
     """`splitserve orchestrator` with no static workers, members from etcd, its log kept."""
 
-    def __init__(self, tmp_path, membership: str):
+    def __init__(self, tmp_path, membership: str, processes: int = 1):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         path = tmp_path / f"cluster-{self.port}.yaml"
         path.write_text(yaml.safe_dump({
             "port": self.port, "health_check_interval": 0.5, "internal_secret": TEST_SECRET,
-            "membership": membership}))
+            "membership": membership, "processes": processes}))
         self.log = tmp_path / f"orch-{self.port}.log"
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(
@@ -186,10 +186,31 @@ def test_with_etcd_stopped_both_keep_routing_and_catch_up_when_it_returns(etcd, 
 def test_a_killed_worker_leaves_both_when_its_lease_lapses(orchs, workers):
     ctx, gen = workers
     os.kill(gen.proc.pid, signal.SIGKILL)     # no revoke: only the lease's end says so
+    gen.proc.wait()
     t0 = time.monotonic()
     wait_for(lambda: seen_by_all(orchs, gen.url, False), TTL + 2.0, "the dead worker gone")
     print(f"the killed worker left both after {time.monotonic() - t0:.1f} s (ttl {TTL} s)")
     assert all(ctx.url in o.members() for o in orchs)
+    ctx.close()                               # a clean stop revokes its lease: gone at once
+    wait_for(lambda: seen_by_all(orchs, ctx.url, False), 1.0, "the stopped worker gone")
+
+
+def test_every_process_of_a_fleet_watches_etcd(tmp_path, etcd, target):
+    fleet = Orchestrator(tmp_path, target, processes=2)
+    try:
+        url = f"http://127.0.0.1:{free_port()}"
+        key, value = signed(url)
+        etcd.put(key, value)
+        # each answer comes from whichever process the kernel picked: all must list it
+        wait_for(lambda: all(url in fleet.members() for _ in range(8)), 5,
+                 "every process of the fleet listing the member")
+        status, body, _ = call("POST", fleet.url + "/internal/workers",
+                               {"role": "generation", "url": "http://127.0.0.1:1"},
+                               headers=internal(fleet.url))
+        assert status == 409 and "--membership" in body["error"]["message"]
+        etcd.call("/v3/kv/deleterange", {"key": _b64(key)})
+    finally:
+        fleet.close()
 
 
 def _b64(text: str) -> str:
