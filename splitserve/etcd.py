@@ -96,6 +96,11 @@ class EtcdClient:
             body["lease"] = lease
         await self._call("/v3/kv/put", body)
 
+    async def get(self, key: str) -> bytes | None:
+        """The value at key; None where there is none."""
+        kvs = (await self._call("/v3/kv/range", {"key": _b64(key)})).get("kvs", [])
+        return _event(kvs[0], False).value if kvs else None
+
     async def range(self, prefix: str) -> tuple[int, list[Event]]:
         """(the store's revision, every key under prefix with its value)."""
         answer = await self._call("/v3/kv/range", {"key": _b64(prefix),

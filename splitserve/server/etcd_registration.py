@@ -3,7 +3,8 @@ the cluster's members in etcd while it serves (protocol/membership.py: the key, 
 and its MAC; orchestrator/etcd_membership.py: the orchestrators watching them).
 
 It grants a lease of the target's TTL, puts its signed record under the prefix attached to
-that lease, and renews the lease every TTL/3 seconds. etcd down: it keeps trying the same
+that lease, and renews the lease every TTL/3 seconds, putting the record again should it
+have been deleted or changed meanwhile. etcd down: it keeps trying the same
 lease every second (said once); a lease etcd no longer has (it lapsed meanwhile) is granted
 again and the record put again. A clean stop revokes the lease, so the key goes at once
 and every orchestrator sees the worker leave; a worker killed outright leaves when its
@@ -59,6 +60,7 @@ class EtcdRegistration:
                     self.lease = None
                     continue
                 self._answered()
+                await self._check_record()
             except (EtcdUnavailable, LookupError, TypeError, ValueError) as exc:
                 # (LookupError ...: an answer without the fields etcd's answers have)
                 if not self.failing:
@@ -74,6 +76,15 @@ class EtcdRegistration:
                     self.log_prefix, self.target.endpoint, self.target.prefix,
                     self.record.url, self.target.ttl)
         self._answered()
+
+    async def _check_record(self) -> None:
+        """Put the record again if someone deleted or changed it (the lease alone would
+        keep this worker out of the members until it restarts)."""
+        key = self.target.key(self.record.url)
+        if await self.client.get(key) != self.value:
+            logger.warning("%s: this worker's record in etcd was deleted or changed; "
+                           "putting it again", self.log_prefix)
+            await self.client.put(key, self.value, self.lease)
 
     def _answered(self) -> None:
         if self.failing:

@@ -183,6 +183,14 @@ def test_with_etcd_stopped_both_keep_routing_and_catch_up_when_it_returns(etcd, 
     etcd.call("/v3/kv/deleterange", {"key": _b64(key)})
 
 
+def test_a_worker_whose_record_was_deleted_puts_it_again(etcd, orchs, workers):
+    ctx, gen = workers
+    key = parse_target("etcd://h:1" + PREFIX).key(gen.url)
+    etcd.call("/v3/kv/deleterange", {"key": _b64(key)})
+    wait_for(lambda: seen_by_all(orchs, gen.url, False), 1.0, "the deleted record gone")
+    wait_for(lambda: seen_by_all(orchs, gen.url), TTL + 1.0, "the record put again")
+
+
 def test_a_killed_worker_leaves_both_when_its_lease_lapses(orchs, workers):
     ctx, gen = workers
     os.kill(gen.proc.pid, signal.SIGKILL)     # no revoke: only the lease's end says so

@@ -58,7 +58,8 @@ class EtcdServer:
         wait_for(self.answers, 30, "etcd answering")
 
     def answers(self) -> bool:
-        assert self.proc.poll() is None, f"etcd exited ({self.proc.returncode}): see {self.log.name}"
+        assert self.proc.poll() is None, \
+            f"etcd exited ({self.proc.returncode}): see {self.log.name}"
         try:
             with urllib.request.urlopen(self.endpoint + "/health", timeout=2) as r:
                 return json.loads(r.read()).get("health") == "true"
