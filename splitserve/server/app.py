@@ -254,14 +254,14 @@ class WorkerServer:
                     ready.dtype, self.config.host, self.http.port,
                     f" (front-end {self.engine.peer}, pid {os.getpid()})" if shared else "")
         # One registration per worker: front-end 1 speaks for the others on the same port.
-        self.registration = (self._join(ready) if self.engine.peer <= 1 else None)
+        self.registration = self._join() if self.engine.peer <= 1 else None
 
-    def _join(self, ready):
+    def _join(self):
         """Where this worker keeps itself in the cluster: etcd (--membership), an
         orchestrator (--register), or nowhere (None)."""
         if self.config.membership:
             return EtcdRegistration.start(self.config, own_url(self.config.host, self.http.port),
-                                          ready, self.model_name)
+                                          lambda: self.engine.ready, self.model_name)
         return Registration.start(self.config, self.http.port)
 
     def totals(self) -> Totals:

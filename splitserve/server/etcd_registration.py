@@ -30,23 +30,44 @@ LEAVE_TIMEOUT = 6.0   # a clean stop waits at most this long for etcd
 
 
 class EtcdRegistration:
-    def __init__(self, target: EtcdTarget, record: MemberRecord, secret: str, log_prefix: str):
-        self.target, self.record, self.log_prefix = target, record, log_prefix
-        self.value = sign(record, target.key(record.url), Keys(secret))
+    """describe(): this worker's record now, None while it cannot say (its engine is
+    restarting: the last record stands); a changed record (a restarted engine's new KV
+    endpoint) is put at the next renewal."""
+
+    def __init__(self, target: EtcdTarget, describe, secret: str, log_prefix: str):
+        self.target, self.describe, self.log_prefix = target, describe, log_prefix
+        self.keys = Keys(secret)
+        self.record: MemberRecord = describe()
+        self.key = target.key(self.record.url)
         self.session = aiohttp.ClientSession()
         self.client = EtcdClient(self.session, target.endpoint)
         self.lease: str | None = None
+        self.held: bytes | None = None   # the value this worker last put
         self.failing = False         # said once per outage
         self.task = asyncio.create_task(self._hold())
 
     @classmethod
     def start(cls, config, url: str, ready, model: str) -> EtcdRegistration:
-        """config: server.config.ServerConfig (membership set); ready: the engine's
-        EngineReady (its KV endpoint and layout); model: the served model's name."""
-        record = MemberRecord(REGISTERED_ROLE[config.role], url, ready.kv_endpoint, model,
-                              ready.layout)
-        return cls(parse_target(config.membership), record, config.internal_secret,
+        """config: server.config.ServerConfig (membership set); ready(): the engine's
+        EngineReady (its KV endpoint and layout), None while it restarts; model: the served
+        model's name."""
+        role = REGISTERED_ROLE[config.role]
+
+        def describe() -> MemberRecord | None:
+            now = ready()
+            return None if now is None else MemberRecord(role, url, now.kv_endpoint, model,
+                                                         now.layout)
+        return cls(parse_target(config.membership), describe, config.internal_secret,
                    config.log_prefix)
+
+    def _value(self) -> bytes:
+        """The signed record to hold in etcd, as of now."""
+        record = self.describe()
+        if record is not None and record != self.record:
+            logger.info("%s: this worker's record changed (KV endpoint %s); putting it again",
+                        self.log_prefix, record.kv_endpoint or "none")
+            self.record = record
+        return sign(self.record, self.key, self.keys)
 
     async def _hold(self) -> None:
         while True:
@@ -69,9 +90,8 @@ class EtcdRegistration:
                 await asyncio.sleep(RETRY)
 
     async def _join(self) -> None:
-        lease = await self.client.grant(self.target.ttl)
-        await self.client.put(self.target.key(self.record.url), self.value, lease)
-        self.lease = lease
+        self.lease = await self.client.grant(self.target.ttl)
+        await self._put(self._value())
         logger.info("%s: joined the members in etcd at %s%s as %s (lease of %g s)",
                     self.log_prefix, self.target.endpoint, self.target.prefix,
                     self.record.url, self.target.ttl)
@@ -79,12 +99,17 @@ class EtcdRegistration:
 
     async def _check_record(self) -> None:
         """Put the record again if someone deleted or changed it (the lease alone would
-        keep this worker out of the members until it restarts)."""
-        key = self.target.key(self.record.url)
-        if await self.client.get(key) != self.value:
+        keep this worker out of the members until it restarts), or if it changed here."""
+        value, held = self._value(), await self.client.get(self.key)
+        if held != self.held:
             logger.warning("%s: this worker's record in etcd was deleted or changed; "
                            "putting it again", self.log_prefix)
-            await self.client.put(key, self.value, self.lease)
+        if held != value:
+            await self._put(value)
+
+    async def _put(self, value: bytes) -> None:
+        await self.client.put(self.key, value, self.lease)
+        self.held = value
 
     def _answered(self) -> None:
         if self.failing:

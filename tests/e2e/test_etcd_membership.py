@@ -20,7 +20,8 @@ import pytest
 import yaml
 
 from etcd_utils import EtcdServer
-from server_utils import TEST_SECRET, Worker, call, get, internal, post, wait_for
+from server_utils import (TEST_SECRET, Worker, call, engine_pid, get, internal, post,
+                          wait_for)
 from splitserve.bench.server_process import ServerProcess, free_port
 from splitserve.protocol.membership import MemberRecord, parse_target, sign
 from splitserve.trust import Keys
@@ -189,6 +190,22 @@ def test_a_worker_whose_record_was_deleted_puts_it_again(etcd, orchs, workers):
     etcd.call("/v3/kv/deleterange", {"key": _b64(key)})
     wait_for(lambda: seen_by_all(orchs, gen.url, False), 1.0, "the deleted record gone")
     wait_for(lambda: seen_by_all(orchs, gen.url), TTL + 1.0, "the record put again")
+
+
+def test_a_restarted_engine_s_new_kv_endpoint_reaches_both(orchs, workers):
+    ctx, _ = workers
+
+    def kv_endpoints() -> set[str]:
+        return {m["kv_endpoint"] for o in orchs for m in call(
+            "GET", o.url + "/internal/workers", headers=internal(o.url))[1]["data"]
+            if m["url"] == ctx.url}
+    before = kv_endpoints()
+    assert len(before) == 1 and next(iter(before)).startswith("tcp://"), before
+    os.kill(engine_pid(ctx), signal.SIGKILL)     # the front-end starts it again
+    wait_for(lambda: len(after := kv_endpoints()) == 1 and after != before
+             and next(iter(after)).startswith("tcp://"), 90, "the new KV endpoint in etcd")
+    wait_for(lambda: all(post(o.url + "/v1/completions", BODY, timeout=60)[0] == 200
+                         for o in orchs), 30, "served after the restart")
 
 
 def test_a_killed_worker_leaves_both_when_its_lease_lapses(orchs, workers):
