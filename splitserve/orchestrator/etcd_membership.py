@@ -71,7 +71,17 @@ class EtcdMembers:
         self.refused.discard(event.key)
         if before.get(event.key) != record:
             logger.info("orch: %s worker %s is a member (etcd)", record.role, record.url)
+            self._check_layout(record)
         self.records[event.key] = record
+
+    def _check_layout(self, record: MemberRecord) -> None:
+        """Say when a member's KV layout differs from the others' (a GEN cannot pull its
+        blocks, or it theirs: the KV handshake refuses them; kv/base.layout_fingerprint)."""
+        others = {r.layout for r in self.records.values() if r.layout and r.url != record.url}
+        if record.layout and others and record.layout not in others:
+            logger.warning("orch: %s worker %s's KV layout [%.200s] is not the other "
+                           "members' [%.400s]: KV cannot move between them", record.role,
+                           record.url, record.layout, "; ".join(sorted(others)))
 
     def listing(self) -> list[dict]:
         return [{"role": r.role, "url": r.url, "kv_endpoint": r.kv_endpoint, "model": r.model,

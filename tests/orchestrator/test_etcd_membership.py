@@ -171,3 +171,16 @@ def test_watch_messages_become_events_or_a_break():
                    b'{"result":{"events":[{"kv":{"key":"***"}}]}}'):
         with pytest.raises(EtcdUnavailable):
             _watch_events(broken)
+
+
+def test_a_member_of_another_kv_layout_is_said(caplog):
+    members = EtcdMembers(KEYS)
+    other = MemberRecord("generation", "http://10.0.0.3:8003", "tcp://10.0.0.3:9003",
+                         "tiny-random", "tiny|bfloat16|block=4")
+    with caplog.at_level(logging.WARNING, "splitserve.orchestrator.etcd_membership"):
+        members.apply([put(record()), put(record("http://10.0.0.2:8002", "generation"))])
+        assert caplog.records == []
+        members.apply([put(other)])
+    assert [r.getMessage() for r in caplog.records] == [
+        "orch: generation worker http://10.0.0.3:8003's KV layout [tiny|bfloat16|block=4] is "
+        "not the other members' [tiny|float32|block=4]: KV cannot move between them"]
