@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs an etcd server (Debian's etcd-server package) for the membership-in-etcd tests
-# (tests/e2e/test_etcd_membership.py) and for running a cluster whose members are in etcd
+# (tests/e2e/test_etcd_membership_e2e.py) and for running a cluster whose members are in etcd
 # (docs/deploy.md). apt-get as root, else through sudo where it asks no password; without
 # either it says so and exits non-zero: the caller decides whether that is fatal.
 set -euo pipefail

@@ -1,6 +1,6 @@
 """Membership in etcd, in this process: the setting's URL, a member's signed record (only
 the cluster's secret makes one a reader takes), and the orchestrator's view of the prefix
-as watch events arrive. The real etcd server is tests/e2e/test_etcd_membership.py's."""
+as watch events arrive. The real etcd server is tests/e2e/test_etcd_membership_e2e.py's."""
 
 import asyncio
 import base64

@@ -3,10 +3,12 @@ orchestrator processes watching one prefix (as on two machines: each its own con
 plane), and tiny-random workers that join with `--membership etcd://...`.
 
 What a user would notice: a worker joining is routed to by both orchestrators within a
-second; one killed outright leaves both when its lease lapses; a record not signed with the
-cluster's secret is never a member (and is logged once); with etcd stopped both keep
-routing with the members they had, /health says etcd is unreachable, and when etcd returns
-they catch up with what changed."""
+second; one killed outright leaves both when its lease lapses, one stopped cleanly at once;
+a record not signed with the cluster's secret is never a member (and is logged once); with
+etcd stopped both keep routing with the members they had, /health says etcd is
+unreachable, and when etcd returns they catch up with what changed; a deleted record is
+put again, a restarted engine's new KV endpoint reaches both; every process of a fleet
+watches etcd."""
 
 from __future__ import annotations
 
