@@ -68,8 +68,8 @@ class Orchestrator:
         self._kv_poll: asyncio.Task | None = None
         self.registry, self.etcd = None, None
         if config.membership is not None:
-            self.membership = self.etcd = EtcdMembership(parse_target(config.membership),
-                                                         self.pools.keys)
+            self.membership = self.etcd = EtcdMembership(
+                parse_target(config.membership), self.pools.keys, self.metrics.registry)
         elif control_url is None:
             self.registry = Registry(config.remove_unhealthy_after)
             self.membership = LocalMembership(self.registry)

@@ -9,8 +9,8 @@ worker's lease lapses) reaches its pools as etcd sends it. A record whose MAC do
 out under the cluster's secret is not a member, and is logged once per key.
 
 etcd down (the watch breaks, or the one-second ping fails): the pools keep the last members
-seen and route on; /health says so ("membership": {"connected": false, ...}) and the log
-says it once; every second it tries again, and on its return the prefix is read whole
+seen and route on; /health says so ("membership": {"connected": false, ...}), as does
+/metrics (splitserve_orchestrator_membership_connected 0), and the log says it once; every second it tries again, and on its return the prefix is read whole
 (joins and leaves missed meanwhile catch up) and watched again. The health checks
 (probes.py) route around a member that went while etcd was away.
 """
@@ -25,6 +25,7 @@ import aiohttp
 import orjson
 
 from splitserve.etcd import EtcdClient, EtcdUnavailable, Event
+from splitserve.metrics import Gauge
 from splitserve.orchestrator.registry import PATHS
 from splitserve.protocol.membership import EtcdTarget, MemberRecord, read
 from splitserve.protocol.openai import error_body
@@ -92,12 +93,18 @@ class EtcdMembership:
     """The membership interface of registry.py (call, members) over etcd, and its watch
     (run). listeners: called (no arguments) when a member joins or leaves."""
 
-    def __init__(self, target: EtcdTarget, keys: Keys):
+    def __init__(self, target: EtcdTarget, keys: Keys, registry):
+        """registry: the orchestrator's metrics.Registry (the gauges below)."""
         self.target, self.current = target, EtcdMembers(keys)
         self.listeners: list = []
         self.connected = False
         self.down_since: float | None = time.monotonic()   # not read yet
         self.problem = "not read yet"
+        p = "splitserve_orchestrator_membership_"
+        self.connected_gauge = registry.register(Gauge(
+            p + "connected", "1 while etcd answers; 0 while routing with the last members seen"))
+        self.members_gauge = registry.register(Gauge(
+            p + "members", "Workers in etcd whose records verify"))
 
     async def call(self, method: str, path: str, body: bytes) -> tuple[int, bytes]:
         """The registration API: the members may be listed; joining is etcd's (409)."""
@@ -124,6 +131,7 @@ class EtcdMembership:
         return state
 
     def _changed(self, changed: bool) -> None:
+        self.members_gauge.set(len(self.current.records))
         if changed:
             for listener in self.listeners:
                 listener()
@@ -153,11 +161,13 @@ class EtcdMembership:
             logger.info("orch: etcd at %s answers%s; %d members under %s", self.target.endpoint,
                         was, len(self.current.records), self.target.workers)
         self.connected, self.down_since = True, None
+        self.connected_gauge.set(1)
 
     def _down(self, problem: str) -> None:
         first = self.connected or self.problem == "not read yet"    # said once per outage
         if self.connected:
             self.connected, self.down_since = False, time.monotonic()
+        self.connected_gauge.set(0)
         self.problem = problem
         if first:
             logger.warning("orch: etcd is unreachable (%s); routing with the last %d members "

@@ -22,8 +22,8 @@ import pytest
 import yaml
 
 from etcd_utils import EtcdServer
-from server_utils import (TEST_SECRET, Worker, call, engine_pid, get, internal, post,
-                          wait_for)
+from server_utils import (TEST_SECRET, Worker, call, engine_pid, get, internal, metrics,
+                          post, wait_for)
 from splitserve.bench.server_process import ServerProcess, free_port
 from splitserve.protocol.membership import MemberRecord, parse_target, sign
 from splitserve.trust import Keys
@@ -167,6 +167,7 @@ def test_with_etcd_stopped_both_keep_routing_and_catch_up_when_it_returns(etcd, 
         wait_for(lambda: not o.membership()["connected"], 5, "/health saying etcd is down")
         state = o.membership()
         assert state["members"] == 2 and state["problem"], state
+        assert metrics(o.url)["splitserve_orchestrator_membership_connected"] == 0
         assert served(o)     # the last members seen
         assert o.members() == {ctx.url: "context", gen.url: "generation"}
     time.sleep(TTL + 1)      # longer than a lease: etcd's restart must not drop the workers
@@ -178,6 +179,7 @@ def test_with_etcd_stopped_both_keep_routing_and_catch_up_when_it_returns(etcd, 
     etcd.put(key, value)     # a change the watches were not there for
     for o in orchs:
         wait_for(lambda: o.membership()["connected"], 5, "etcd reachable again on /health")
+        assert metrics(o.url)["splitserve_orchestrator_membership_connected"] == 1
         wait_for(lambda: url in o.members(), 3, "the change made meanwhile")
         assert o.members() == {ctx.url: "context", gen.url: "generation", url: "context"}
         assert served(o)

@@ -10,6 +10,7 @@ import orjson
 import pytest
 
 from splitserve.etcd import Event, prefix_end
+from splitserve.metrics import Registry
 from splitserve.orchestrator.cluster import ClusterConfig
 from splitserve.orchestrator.etcd_membership import EtcdMembers, EtcdMembership
 from splitserve.protocol.membership import (
@@ -134,7 +135,8 @@ def test_a_read_of_the_whole_prefix_replaces_what_was_known():
 
 
 def test_the_backend_lists_members_refuses_joins_and_reports_etcd_down():
-    membership = EtcdMembership(TARGET, KEYS)
+    registry = Registry()
+    membership = EtcdMembership(TARGET, KEYS, registry)
     heard = []
     membership.listeners.append(lambda: heard.append(membership.listing()))
     membership._changed(membership.current.apply([put(record())]))
@@ -148,13 +150,16 @@ def test_the_backend_lists_members_refuses_joins_and_reports_etcd_down():
 
     health = membership.health()
     assert health["connected"] is False and health["problem"] == "not read yet"
+    assert "splitserve_orchestrator_membership_members 1" in registry.render().decode()
     membership._up()
+    assert "splitserve_orchestrator_membership_connected 1" in registry.render().decode()
     assert membership.health() == {"backend": "etcd", "endpoint": TARGET.endpoint,
                                    "prefix": "/cluster-a", "connected": True, "members": 1}
     membership._down("etcd at http://127.0.0.1:2379 did not answer")
     health = membership.health()
     assert health["connected"] is False and health["members"] == 1
     assert "did not answer" in health["problem"] and health["unreachable_for_s"] >= 0
+    assert "splitserve_orchestrator_membership_connected 0" in registry.render().decode()
 
 
 def test_watch_messages_become_events_or_a_break():
