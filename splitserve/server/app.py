@@ -29,10 +29,10 @@ from splitserve.request_log import Totals, log_finished, log_throughput
 from splitserve.server.config import ServerConfig
 from splitserve.server.engine_client import EngineClient, EngineDeadError
 from splitserve.server.engine_link import EngineLink
+from splitserve.server.etcd_registration import EtcdRegistration
 from splitserve.server.generate import GenerateHandlers
 from splitserve.server.kv_blocks import kv_blocks_response
 from splitserve.server.metrics import ServerMetrics
-from splitserve.server.etcd_registration import EtcdRegistration
 from splitserve.server.registration import Registration, own_url
 from splitserve.signals import wait_for_stop_signal
 from splitserve.trust import Gate, NotInternal, Refusal, forbidden
