@@ -119,7 +119,8 @@ def orchestrator_config(args):
     config = ClusterConfig.from_yaml(args.config)
     overrides = {k: v for k, v in (("host", args.host), ("port", args.port),
                                    ("max_in_flight", args.max_in_flight),
-                                   ("processes", args.processes)) if v is not None}
+                                   ("processes", args.processes),
+                                   ("membership", args.membership)) if v is not None}
     # The command line, then the YAML, then the environment.
     overrides["api_key"] = tuple(args.api_key or config.api_key or envs.api_keys())
     if args.cache_isolation is not None:
@@ -294,6 +295,10 @@ def build_parser() -> argparse.ArgumentParser:
     orch.add_argument("--port", type=int, default=None)
     orch.add_argument("--max-in-flight", type=int, default=None,
                       help="requests served at once; past it, 503 at once (overrides the YAML)")
+    orch.add_argument("--membership", default=None, metavar="etcd://HOST:PORT/PREFIX",
+                      help="read the registered workers from etcd under this prefix, with "
+                           "every other orchestrator watching it (overrides the YAML's "
+                           "membership; default: kept by this orchestrator)")
     add_allowed_origins_argument(orch, "(overrides the YAML's allowed_origins)")
     orch.add_argument("--disable-log-requests", action="store_true",
                       help="no log line per finished request (overrides the YAML's "

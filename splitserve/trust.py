@@ -21,6 +21,9 @@ and holders of the secret derive from k = HMAC-SHA256(secret, "splitserve intern
 - response proof: HMAC(k, "response|instance id") in `PROOF_HEADER`, on a worker's answer
   to a request whose token checked out (a public client never gets it): the orchestrator
   refuses an answer without it.
+- member MAC: HMAC(k, "member\n" + key + "\n" + record), on a worker's record in etcd
+  (protocol/membership.py): every orchestrator reading the members checks it, so only a
+  holder of the secret adds a worker.
 
 Comparisons are constant-time (hmac.compare_digest). Keys and tokens are compared as
 UTF-8; a header that is not the exact bytes fails the check, it never passes it. Every
@@ -175,6 +178,15 @@ class Keys:
     def proof(self, instance: str) -> str:
         """PROOF_HEADER's value on `instance`'s answers to internal requests."""
         return sensitive(self._mac("response", instance))
+
+
+    def member_mac(self, record: bytes) -> str:
+        """The MAC of a member's record in etcd (protocol/membership.py): bytes after a
+        fixed tag, so no other derived value can collide with it."""
+        return hmac.new(self._k, b"member\n" + record, hashlib.sha256).hexdigest()
+
+    def member_mac_ok(self, record: bytes, mac: str) -> bool:
+        return _equal(mac, self.member_mac(record))
 
 
 def proven(answer: str | None, proof: str) -> bool:

@@ -78,7 +78,7 @@ def run_engine_core(config: EngineConfig, input_addrs: str | list[str],
                 platform.start_helpers(engine.runner.kv_cache.dtype))
     out_q.put(EngineReady(engine.model_config.name, dtype, engine.model_config.vocab_size,
                           engine.max_model_len, bm.num_blocks, bm.block_size,
-                          engine.remote_kv.endpoint))
+                          engine.remote_kv.endpoint, engine.remote_kv.layout))
     threading.Thread(target=_recv_loop, args=(ctx, input_addrs, in_q), daemon=True).start()
     engine.remote_kv.wake = lambda: in_q.put(_WAKE)   # KV pulls and acks end on other threads
     try:

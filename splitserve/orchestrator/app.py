@@ -24,11 +24,13 @@ from splitserve.httpd.server import Admission
 from splitserve.orchestrator import relay, resume, split
 from splitserve.orchestrator.cluster import ClusterConfig
 from splitserve.orchestrator.decide import Decider
+from splitserve.orchestrator.etcd_membership import EtcdMembership
 from splitserve.orchestrator.metrics import OrchestratorMetrics
 from splitserve.orchestrator.pools import Pools
 from splitserve.orchestrator.registry import (NOT_INTERNAL, PATHS, LocalMembership, Registry,
                                               RemoteMembership)
 from splitserve.protocol.cache_salt import CacheIsolation, derivation_key
+from splitserve.protocol.membership import parse_target
 from splitserve.protocol.openai import error_body, status_error_body
 from splitserve.protocol.openai_fields import UnknownFields
 from splitserve.request_log import log_finished
@@ -47,9 +49,10 @@ NO_SECRET = ("the orchestrator needs the cluster's internal secret (the one its 
 class Orchestrator:
     """control_url: one of a fleet (fleet.py): the port is shared (SO_REUSEPORT) and the
     registered workers are kept by the fleet's parent at control_url; None: a registry of
-    this process's own (orchestrator/registry.py). instance: the id it proves on /health
-    and whose token its /internal/ routes take (trust.py): a fleet's, given by its parent;
-    None: one of its own."""
+    this process's own (orchestrator/registry.py). Either way, a config with `membership`
+    reads the registered workers from etcd instead (etcd_membership.py). instance: the
+    id it proves on /health and whose token its /internal/ routes take (trust.py): a
+    fleet's, given by its parent; None: one of its own."""
 
     def __init__(self, config: ClusterConfig, limits: HTTPLimits = HTTPLimits(),
                  control_url: str | None = None, instance: str | None = None):
@@ -64,12 +67,19 @@ class Orchestrator:
         self.decider = Decider(config, self.metrics)
         self.ids = resume.StreamIds(config.internal_secret, config.resume_window)
         self._kv_poll: asyncio.Task | None = None
-        self.registry = Registry(config.remove_unhealthy_after) if control_url is None else None
-        self.membership = (LocalMembership(self.registry) if control_url is None
-                           else RemoteMembership(control_url, self.pools,
-                                                 self.pools.keys.token(self.gate.instance)))
-        if self.registry is not None:     # leases lapsing, health removals: at once
-            self.registry.listeners.append(lambda: self.pools.sync(self.registry.listing()))
+        self.registry, self.etcd = None, None
+        if config.membership is not None:
+            self.membership = self.etcd = EtcdMembership(
+                parse_target(config.membership), self.pools.keys, self.metrics.registry)
+        elif control_url is None:
+            self.registry = Registry(config.remove_unhealthy_after)
+            self.membership = LocalMembership(self.registry)
+        else:
+            self.membership = RemoteMembership(control_url, self.pools,
+                                               self.pools.keys.token(self.gate.instance))
+        kept = self.registry or self.etcd    # joins, leaves, lapsed leases: at once
+        if kept is not None:
+            kept.listeners.append(lambda: self.pools.sync(kept.listing()))
         self._registry_task: asyncio.Task | None = None
         body = config.max_body_bytes
         self.router = Router({
@@ -219,6 +229,8 @@ class Orchestrator:
         register learns this orchestrator's instance id here, whatever the status."""
         body, status = self.pools.health()
         body["pid"] = os.getpid()     # which process of a fleet answered
+        if self.etcd is not None:
+            body["membership"] = self.etcd.health()
         return Response(orjson.dumps(body), status, headers=self.gate.identity(request.header))
 
     async def internal(self, request: Request) -> Response:
@@ -240,6 +252,9 @@ class Orchestrator:
         if self.registry is not None:
             self._registry_task = asyncio.create_task(self.registry.run(
                 self.pools.session, self.pools.keys, self.config.health_check_interval))
+            self._registry_task.add_done_callback(_report_failure)
+        if self.etcd is not None:
+            self._registry_task = asyncio.create_task(self.etcd.run(self.pools.session))
             self._registry_task.add_done_callback(_report_failure)
         self._kv_poll = asyncio.create_task(self.decider.poll(self.pools.session, self.pools))
         self._kv_poll.add_done_callback(_report_failure)

@@ -11,6 +11,7 @@ from splitserve.httpd.cors import parse_origins
 from splitserve.protocol.cache_salt import check_isolation
 from splitserve.protocol.disagg import RELAY_MODES
 from splitserve.protocol.internal_api import reported_load
+from splitserve.protocol.membership import parse_target
 from splitserve.protocol.prompts import (
     check_template_file, template_file_field, trust_templates_field)
 from splitserve.trust import api_keys
@@ -86,6 +87,10 @@ class ClusterConfig:
     allowed_origins: tuple[str, ...] = ()
     # No log line per finished request (`--disable-log-requests`).
     disable_log_requests: bool = False
+    # Where registered workers are kept: None, in this orchestrator (or its fleet's
+    # parent); etcd://host:port/prefix, in etcd, shared by every orchestrator watching the
+    # prefix (orchestrator/etcd_membership.py, protocol/membership.py).
+    membership: str | None = None
 
     def __post_init__(self):
         if self.token_relay not in RELAY_MODES:
@@ -112,6 +117,8 @@ class ClusterConfig:
             raise ValueError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes!r}")
         check_isolation(self.cache_isolation, self.api_key)
         check_template_file(self.chat_template)
+        if self.membership is not None:
+            parse_target(self.membership)
 
     @classmethod
     def from_yaml(cls, path: str) -> ClusterConfig:
@@ -121,8 +128,11 @@ class ClusterConfig:
 
     @classmethod
     def from_dict(cls, raw: dict, where: str = "cluster config") -> ClusterConfig:
+        # With members in etcd, the static pools may be left out (empty).
+        empty = [] if raw.get("membership") else None
         try:
-            pools = {k: _pool(raw.pop(k)) for k in ("context_servers", "generation_servers")}
+            pools = {k: _pool(raw.pop(k) if empty is None else raw.pop(k, empty))
+                     for k in ("context_servers", "generation_servers")}
         except KeyError as exc:
             raise ValueError(f"{where}: missing {exc.args[0]}") from None
         unknown = set(raw) - {f for f in cls.__dataclass_fields__}

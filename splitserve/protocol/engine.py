@@ -329,6 +329,7 @@ class EngineReady(msgspec.Struct, tag="ready"):
     num_blocks: int
     block_size: int
     kv_endpoint: str = ""
+    layout: str = ""                   # kv.base.layout_fingerprint() of its KV cache
 
 
 class EngineOutputs(msgspec.Struct, tag="outputs"):

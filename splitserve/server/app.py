@@ -31,10 +31,11 @@ from splitserve.request_log import Totals, log_finished, log_throughput
 from splitserve.server.config import ServerConfig
 from splitserve.server.engine_client import EngineClient, EngineDeadError
 from splitserve.server.engine_link import EngineLink
+from splitserve.server.etcd_registration import EtcdRegistration
 from splitserve.server.generate import GenerateHandlers
 from splitserve.server.kv_blocks import kv_blocks_response
 from splitserve.server.metrics import ServerMetrics
-from splitserve.server.registration import Registration
+from splitserve.server.registration import Registration, own_url
 from splitserve.signals import wait_for_stop_signal
 from splitserve.trust import Gate, NotInternal, Refusal, forbidden
 from splitserve.version import __version__
@@ -260,8 +261,15 @@ class WorkerServer:
         logger.info("%s: tool calls: %s parser; %s", self.log_prefix, self.tool_parser.name,
                     describe_tools(self.tokenizer))
         # One registration per worker: front-end 1 speaks for the others on the same port.
-        self.registration = (Registration.start(self.config, self.http.port)
-                             if self.engine.peer <= 1 else None)
+        self.registration = self._join() if self.engine.peer <= 1 else None
+
+    def _join(self):
+        """Where this worker keeps itself in the cluster: etcd (--membership), an
+        orchestrator (--register), or nowhere (None)."""
+        if self.config.membership:
+            return EtcdRegistration.start(self.config, own_url(self.config.host, self.http.port),
+                                          lambda: self.engine.ready, self.model_name)
+        return Registration.start(self.config, self.http.port)
 
     def totals(self) -> Totals:
         """The throughput line's counts: this front-end's tokens, the engine's requests."""

@@ -9,6 +9,7 @@ from splitserve.flags import flag, flags_within
 from splitserve.httpd.cors import parse_origins
 from splitserve.httpd.limits import HTTPLimits
 from splitserve.protocol.cache_salt import check_isolation
+from splitserve.protocol.membership import parse_target
 from splitserve.protocol.prompts import (
     check_template_file, template_file_field, trust_templates_field)
 from splitserve.protocol.roles import WORKER_ROLES
@@ -71,6 +72,11 @@ class ServerConfig:
     register: str | None = field(default=None, metadata=flag(
         "--register", "join this orchestrator's pools while serving; leave on a clean stop",
         metavar="ORCH_URL"))
+    # etcd_registration.py
+    membership: str | None = field(default=None, metadata=flag(
+        "--membership", "join the cluster's members in etcd while serving (a lease, renewed; "
+                        "revoked on a clean stop); ?ttl=S: the lease's seconds",
+        metavar="etcd://HOST:PORT/PREFIX"))
     disable_log_requests: bool = field(default=False, metadata=flag(
         "--disable-log-requests", "no log line per finished request (id, route, status, "
                                   "tokens, TTFT)"))
@@ -102,6 +108,14 @@ class ServerConfig:
         check_isolation(self.cache_isolation, self.api_key)
         check_template_file(self.chat_template)
         check_tool_parser(self.tool_call_parser)
+        if self.membership is not None:
+            parse_target(self.membership)
+            if self.register:
+                raise ValueError("--membership and --register both say where this worker "
+                                 "joins: give one")
+            if not self.internal_secret:
+                raise ValueError("--membership needs the cluster's internal secret: the "
+                                 "orchestrators take only records signed with it")
 
     @property
     def log_prefix(self) -> str:

@@ -94,19 +94,9 @@ def parser() -> argparse.ArgumentParser:
     return build_parser()
 
 
-@functools.cache
-def knows_membership(command: str) -> bool:
-    _, unknown = parser().parse_known_args([command, "--membership=etcd://etcd:2379/x"])
-    return not unknown
-
-
 def parse(container: dict, env: dict = POD):
-    """The container's command line as `splitserve` parses it (an invalid one exits). A CLI
-    without etcd membership yet parses the rest; the membership test reads that flag."""
-    argv = [expand(a, env) for a in container["args"]]
-    if not knows_membership(argv[0]):
-        argv = [a for a in argv if not a.startswith("--membership=")]
-    return parser().parse_args(argv)
+    """The container's command line as `splitserve` parses it (an invalid one exits)."""
+    return parser().parse_args([expand(a, env) for a in container["args"]])
 
 
 def named_port(container: dict, name: str) -> int:
