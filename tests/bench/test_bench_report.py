@@ -62,6 +62,9 @@ def test_report_on_the_tiny_model(tmp_path):
     assert re.search(r"^\| server CPU/request .* \| (\*\*PASS\*\*|FAIL) \|$", page, re.M)
     for name in ("fleet-o1", "fleet-o2"):         # the fleet: 1 and 2 orchestrator processes
         assert (tmp_path / "results" / f"{name}.json").exists()
+    assert re.search(rf"^\| json_schema \| {NUMBER} \| {NUMBER}", page, re.M)   # structured
+    assert re.search(rf"JSON-schema requests ran at {NUMBER}× the output tok/s", page)
+    assert re.search(rf"^\| json_schema \| {NUMBER} \| {NUMBER} \|$", page, re.M)  # the mask
     assert "TTFT   time to first token" in page          # the metric definitions
     for relay in ("metadata", "b64"):                     # prefix reuse: a hit pulls 4 of 68 blocks
         assert re.search(rf"^\| {relay} \| miss \| 1 \| 68\.0 \| 0\.0 \| {NUMBER} \|", page, re.M)

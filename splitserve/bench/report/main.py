@@ -7,8 +7,8 @@ counts, --duration, a subprocess timeout); a step that fails is written into the
 failure with its error, and the report goes on. Servers run in their own process group and
 are stopped with SIGINT (SIGKILL of the group if they hang) in a `finally`: nothing is left
 running (steps.py). Each section is a module of its own: engine.py, worker.py, disagg.py,
-frontend.py, frontends.py, prefix.py, fleet.py, reference.py (against CPU vLLM, with
---vllm-venv).
+frontend.py, frontends.py, prefix.py, fleet.py, structured.py, reference.py (against CPU
+vLLM, with --vllm-venv).
 """
 
 from __future__ import annotations
@@ -30,10 +30,12 @@ from splitserve.bench.report.markdown import Section, failed, shown
 from splitserve.bench.report.prefix import PREFIX, prefix
 from splitserve.bench.report.reference import REFERENCE, reference
 from splitserve.bench.report.steps import StepFailed, run_inprocess, tool
+from splitserve.bench.report.structured import STRUCTURED, structured
 from splitserve.bench.report.worker import WORKER, worker
 
 SECTIONS = ((ENGINE, engine), (WORKER, worker), (DISAGG, disagg), (FRONTEND, frontend),
-            (FRONTENDS, frontends), (PREFIX, prefix), (FLEET, fleet), (REFERENCE, reference))
+            (FRONTENDS, frontends), (PREFIX, prefix), (FLEET, fleet),
+            (STRUCTURED, structured), (REFERENCE, reference))
 
 
 HOWTO = "How to regenerate"
