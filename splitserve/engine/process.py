@@ -28,8 +28,8 @@ from splitserve.engine.process_io import (
     _internal_error, _recv_loop, _rejected, _send_loop, _Unreadable)
 from splitserve.errors import InvalidRequestError
 from splitserve.protocol.engine import (
-    AbortRequests, CompletionDelta, EngineDead, EngineOutputs, EngineReady, EngineRequest,
-    EngineStats, PeerGone, Shutdown)
+    AbortRequests, CompletionDelta, Drain, EngineDead, EngineOutputs, EngineReady,
+    EngineRequest, EngineStats, PeerGone, Shutdown)
 
 logger = logging.getLogger(__name__)
 
@@ -156,6 +156,9 @@ def _handle(engine: EngineCore, item, deltas: list[CompletionDelta],
                            item.peer, len(ids))
             for rid in ids:
                 engine.abort_request(rid)
+        elif isinstance(item, Drain):
+            logger.info("engine: draining: decoding streams are handed off")
+            engine.drain()
         elif isinstance(item, _Unreadable):
             deltas.append(item.delta())
         else:
