@@ -57,7 +57,7 @@ class EngineCore(FailureHandling):
         self.runner = ModelRunner(model, cfg, num_blocks, block_size, config.torch_dtype, platform)
         self.sampler = Sampler(cfg.vocab_size, seed=config.seed, device=platform.device)
         self.pending: list[CompletionDelta] = []   # deltas produced between steps (aborts)
-        self.draining = False                      # drain(): streams are handed off
+        self.draining: set[int] = set()            # front-ends whose streams are handed off
         self._batch: list[Request] = []            # the running step's requests
         self.remote_kv = RemoteKV(config.kv, self.block_manager, self.runner.kv_cache, cfg,
                                   config.torch_dtype, platform)
@@ -145,7 +145,7 @@ class EngineCore(FailureHandling):
                          grammar=_matcher(template, resumed or []))
         leader.pull_prompt = prompt.is_placeholder and reads_prompt(params, request.prompt_back)
         leader.prompt_back = leader.pull_prompt and request.prompt_back
-        leader.movable = request.movable and n == 1
+        leader.movable, leader.peer = request.movable and n == 1, request.peer
         self.scheduler.add(leader)
         # Final-only output, except for sequences with generation logprobs: held, their
         # deltas grow to the whole response's logprobs (2^20 entries at the bound), which the
@@ -164,15 +164,19 @@ class EngineCore(FailureHandling):
                 self._guard(req, self.pending, "aborting", self._finish, req, FinishReason.ABORT,
                             self.pending)
 
-    def drain(self) -> None:
-        """The worker is stopping: from the next step on, each movable stream that is
-        decoding ends at the step boundary with a HANDOFF delta carrying its KV lease
+    def drain(self, peer: int = 0) -> None:
+        """Front-end `peer` is stopping: from the next step on, each of its movable streams
+        that is decoding ends at the step boundary with a HANDOFF delta carrying its KV lease
         (remote_kv.move), for the orchestrator to continue on another worker; the rest run
-        to their end."""
-        self.draining = True
+        to their end. undrain(peer) ends it (a new front-end took the peer's place)."""
+        self.draining.add(peer)
+
+    def undrain(self, peer: int) -> None:
+        self.draining.discard(peer)
 
     def _hand_off_streams(self, out: list[CompletionDelta]) -> None:
-        for req in [r for r in self.scheduler.running if can_move(r)]:
+        moving = [r for r in self.scheduler.running if r.peer in self.draining and can_move(r)]
+        for req in moving:
             self._guard(req, out, "handing it off", self._move, req, out)
 
     def _move(self, req: Request, out: list[CompletionDelta]) -> None:

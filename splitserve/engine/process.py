@@ -151,14 +151,16 @@ def _handle(engine: EngineCore, item, deltas: list[CompletionDelta],
             for rid in item.request_ids:
                 engine.abort_request(rid)
         elif isinstance(item, PeerGone):
+            engine.undrain(item.peer)
             ids = router.gone(item.peer) if router is not None else []
             logger.warning("engine: front-end %d is gone; aborting its %d request(s)",
                            item.peer, len(ids))
             for rid in ids:
                 engine.abort_request(rid)
         elif isinstance(item, Drain):
-            logger.info("engine: draining: decoding streams are handed off")
-            engine.drain()
+            logger.info("engine: front-end %d drains: its decoding streams are handed off",
+                        item.peer)
+            engine.drain(item.peer)
         elif isinstance(item, _Unreadable):
             deltas.append(item.delta())
         else:

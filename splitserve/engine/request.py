@@ -106,8 +106,9 @@ class Request:
         self.pull_prompt = False
         self.prompt_back = False
         self.kv_transfer_time = 0.0
-        # Its stream continues elsewhere if this worker drains (EngineRequest.movable).
+        # Its stream continues elsewhere if its front-end drains (EngineRequest.movable).
         self.movable = False
+        self.peer = 0                     # the front-end that submitted it
         # Output budget, clamped so prompt + output never exceeds the model's context.
         limit = max_model_len - len(prompt)
         self.max_tokens = limit if params.max_tokens is None else min(params.max_tokens, limit)

@@ -261,8 +261,10 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
 
 
 class Drain(msgspec.Struct, tag="drain"):
-    """The worker is stopping: from the next step on, every movable stream that is decoding
-    ends with a HANDOFF delta, its KV leased for the generation worker that continues it."""
+    """Front-end `peer` is stopping: from the next step on, each of its movable streams that
+    is decoding ends with a HANDOFF delta, its KV leased for the generation worker that
+    continues it. Until PeerGone(peer): a front-end started in its place serves anew."""
+    peer: int = 0
 
 
 class PeerGone(msgspec.Struct, tag="gone"):

@@ -13,9 +13,10 @@ it stops taking connections:
    the orchestrator continues it on another worker, which pulls that KV as from a context
    worker. The rest (whole responses, streams reading prompt values, a context worker's
    prefills) run to their end.
-3. It waits until nothing is in flight and every lease was pulled, at most
-   `drain_grace_seconds` from the signal; whatever is still open then is cut off as before
-   (the orchestrator continues a cut stream by recomputing it elsewhere).
+3. It waits until nothing is in flight and then until every lease was pulled (for at
+   most LEASE_WAIT more: a lease nobody pulled by then has no one coming for it), at most
+   `drain_grace_seconds` from the signal in all; whatever is still open then is cut off as
+   before (the orchestrator continues a cut stream by recomputing it elsewhere).
 """
 
 from __future__ import annotations
@@ -28,10 +29,13 @@ import urllib.request
 
 import orjson
 
+from splitserve.server.registration import own_url
+
 logger = logging.getLogger(__name__)
 
 POLL = 0.05             # seconds between looks at what is still open
 PEER_POLL = 0.5         # seconds between asking the orchestrator for another worker
+LEASE_WAIT = 3.0        # seconds leases are waited for once no request is in flight
 
 
 async def drain(server, grace: float) -> None:
@@ -42,13 +46,16 @@ async def drain(server, grace: float) -> None:
     logger.info("%s: draining: %d request(s) in flight, %d KV block(s) leased (grace %g s)",
                 server.log_prefix, server.handlers.in_flight,
                 server.engine.stats.kv_blocks_leased, grace)
-    while time.monotonic() < deadline and _busy(server):
+    while server.handlers.in_flight and time.monotonic() < deadline:
         now = time.monotonic()
         if not handed_off and now - asked >= PEER_POLL:
             asked = now
             if await _another_worker(server):
                 server.engine.drain()
                 handed_off = True
+        await asyncio.sleep(POLL)
+    deadline = min(deadline, time.monotonic() + LEASE_WAIT)
+    while _leased(server) and time.monotonic() < deadline:
         await asyncio.sleep(POLL)
     left = server.handlers.in_flight
     if left or server.engine.stats.kv_blocks_leased:
@@ -57,22 +64,23 @@ async def drain(server, grace: float) -> None:
                        server.engine.stats.kv_blocks_leased)
 
 
-def _busy(server) -> bool:
-    return bool(server.handlers.in_flight) or (
-        server.engine.healthy and server.engine.stats.kv_blocks_leased > 0)
+def _leased(server) -> bool:
+    return server.engine.healthy and server.engine.stats.kv_blocks_leased > 0
 
 
 async def _another_worker(server) -> bool:
-    """Whether a generation worker besides this one takes requests now."""
-    registration = getattr(server, "registration", None)
-    if registration is None:
+    """Whether a generation worker besides this one takes requests now, as the
+    orchestrator it registered with says (one it did not register with: assumed)."""
+    orchestrator = server.config.register
+    if not orchestrator:
         return True
+    own = own_url(server.config.host, server.http.port)
     try:
-        healthy = await asyncio.to_thread(_healthy_generation, registration.orchestrator)
+        healthy = await asyncio.to_thread(_healthy_generation, orchestrator.rstrip("/"))
     except (OSError, ValueError) as exc:
         logger.info("%s: draining: the orchestrator's /health: %s", server.log_prefix, exc)
         return False
-    return any(url.rstrip("/") != registration.entry.url.rstrip("/") for url in healthy)
+    return any(url.rstrip("/") != own for url in healthy)
 
 
 def _healthy_generation(orchestrator: str) -> list[str]:

@@ -162,10 +162,10 @@ class EngineLink:
             self.engine.send(pack_input(header, [r.token_bytes() for r in batch]))
 
     def drain(self) -> None:
-        """The worker is stopping: the engine hands off its movable streams (Drain)."""
+        """This front-end is stopping: the engine hands off its movable streams (Drain)."""
         self._flush()
         if self.healthy:
-            self.engine.send(pack_input(self._encoder.encode(Drain())))
+            self.engine.send(pack_input(self._encoder.encode(Drain(self.peer))))
 
     async def abort(self, request_ids: list[str]) -> None:
         self._flush()   # an abort must not overtake the request it aborts

@@ -30,7 +30,7 @@ def _hand_off(old, rid, params, after: int):
     streamed = tokens(drain(old, until=lambda d: len(tokens(d)) >= after))
     old.drain()
     (last,) = old.step()
-    old.draining = False
+    old.undrain(0)
     assert last.finish_reason == FinishReason.HANDOFF and not last.token_ids
     return streamed, last
 
@@ -55,17 +55,18 @@ def test_moved_stream_equals_the_uninterrupted_one(pair, params):
         assert e.block_manager.num_free_blocks == e.block_manager.num_blocks
 
 
-def test_only_movable_decoding_streams_are_handed_off(pair):
+def test_only_movable_streams_of_the_draining_front_end_are_handed_off(pair):
     old, _ = pair
     add_request(old, "stays", PROMPT, GREEDY)                    # not movable
+    add_request(old, "elsewhere", PROMPT, GREEDY, movable=True, peer=1)
     add_request(old, "reads", PROMPT, SamplingParams(max_tokens=20, ignore_eos=True,
                                                      repetition_penalty=1.2), movable=True)
     old.drain()
     deltas = drain(old)
-    old.draining = False
+    old.undrain(0)
     assert not [d for d in deltas if d.finish_reason == FinishReason.HANDOFF]
     assert {d.request_id for d in deltas if d.finish_reason == FinishReason.LENGTH} == \
-        {"stays", "reads"}
+        {"stays", "reads", "elsewhere"}
 
 
 def test_a_handle_for_other_token_counts_is_refused(pair):
