@@ -87,6 +87,17 @@ def run_engine_core(config: EngineConfig, input_addrs: str | list[str],
     finally:
         out_q.put(None)
         time.sleep(0.1)
+    _exit(engine)
+
+
+def _exit(engine: EngineCore) -> None:
+    """The step loop ended (Shutdown, or the parent is gone): the KV transport is closed, so
+    its peers see its sockets go, and the process ends at once. The interpreter's own
+    teardown (torch, the frozen heaps, sockets still lingering) takes seconds when the CPU
+    is shared with a busy engine, and the worker waits for it to stop."""
+    engine.remote_kv.close()
+    logging.shutdown()
+    os._exit(0)
 
 
 _WAKE = object()

@@ -181,9 +181,10 @@ async def carry_on(pools, request, resp, tap: StreamTap, body: dict, info,
         if not tap.migratable(limit) or server is None or server in avoid:
             break
         avoid.append(server)
-        logger.warning("orch: request %s: generation stream broke after %d tokens; "
-                       "continuing it on %s", request.id, len(tap.token_ids), server.url)
         moved = tap.handoff is not None
+        (logger.info if moved else logger.warning)(
+            "orch: request %s: generation stream %s after %d tokens; continuing it on %s",
+            request.id, "handed off" if moved else "broke", len(tap.token_ids), server.url)
         data = orjson.dumps(moved_body(body, tap.token_ids, tap.handoff) if moved
                             else resume_body(body, tap.token_ids))
         server.in_flight += 1
