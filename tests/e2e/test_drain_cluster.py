@@ -29,9 +29,22 @@ SEEDED = {"temperature": 1.0, "top_p": 0.9}
 
 
 def body(i: int) -> dict:
-    """Stream i: greedy or seeded (each its own seed), prompts of a few lengths."""
+    """Stream i: greedy or seeded (each its own seed), prompts of a few lengths; every
+    fourth a chat (path(b) says where it goes)."""
     b = {**BODY, "prompt": BODY["prompt"] + " and" * (i % 5)}
+    if i % 4 == 3:
+        b["messages"] = [{"role": "user", "content": b.pop("prompt")}]
     return {**b, **SEEDED, "seed": i} if i % 2 else b
+
+
+def path(b: dict) -> str:
+    return "/v1/chat/completions" if "messages" in b else "/v1/completions"
+
+
+def text_of(events) -> str:
+    """A stream's text (its events before [DONE]), completions' or chat's."""
+    return "".join(c.get("text") or (c.get("delta") or {}).get("content") or ""
+                   for e in events[:-1] for c in e["choices"])
 
 
 def gen_healthy(orch_url: str) -> list[str]:
@@ -91,7 +104,7 @@ class Reader:
         assert self.events and self.events[-1] == "[DONE]", self.events[-3:]
         assert not any("error" in e for e in self.events[:-1]), self.events[-3:]
         assert len({e["id"] for e in self.events[:-1]}) == 1
-        return "".join(c["text"] for e in self.events[:-1] for c in e["choices"])
+        return text_of(self.events)
 
     def largest_gap_after(self, t: float) -> float:
         after = [b - a for a, b in zip(self.times, self.times[1:]) if b >= t]
@@ -107,12 +120,12 @@ def test_sigterm_hands_live_streams_to_another_gen_by_moving_their_kv(cluster):
     orch, ctx, gens = cluster
     url = orch.url + "/v1/completions"
     pool = concurrent.futures.ThreadPoolExecutor(4)
-    want = list(pool.map(lambda i: "".join(
-        c["text"] for e in stream(url, body(i))[:-1] for c in e["choices"]), range(STREAMS)))
+    want = list(pool.map(lambda i: text_of(stream(orch.url + path(body(i)), body(i))),
+                         range(STREAMS)))
     whole = {**body(1), "max_tokens": 40}
     want_whole = post(url, whole)[1]["choices"][0]["text"]
     before = [relayed(g) for g in gens]
-    readers = [Reader(url, body(i)) for i in range(STREAMS)]
+    readers = [Reader(orch.url + path(body(i)), body(i)) for i in range(STREAMS)]
     wait_for(lambda: all(len(r.events) >= 2 for r in readers), 60, "every stream started")
     victim = 0 if relayed(gens[0]) - before[0] >= STREAMS else 1
     other = gens[1 - victim]
@@ -149,10 +162,9 @@ def test_with_no_other_gen_the_streams_finish_on_the_draining_one(cluster):
     gens[1].proc.send_signal(signal.SIGTERM)
     assert gens[1].proc.wait(30) == 0
     wait_for(lambda: len(gen_healthy(orch.url)) == 1, 30, "one GEN left")
-    url = orch.url + "/v1/completions"
     short = [{**body(i), "max_tokens": 300} for i in range(4)]
-    want = ["".join(c["text"] for e in stream(url, b)[:-1] for c in e["choices"]) for b in short]
-    readers = [Reader(url, b) for b in short]
+    want = [text_of(stream(orch.url + path(b), b)) for b in short]
+    readers = [Reader(orch.url + path(b), b) for b in short]
     wait_for(lambda: all(len(r.events) >= 2 for r in readers), 60, "every stream started")
     gens[0].proc.send_signal(signal.SIGTERM)
     live = sum(not r.events or r.events[-1] != "[DONE]" for r in readers)
