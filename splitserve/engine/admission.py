@@ -12,7 +12,7 @@ import numpy as np
 
 from splitserve.errors import InvalidRequestError
 from splitserve.protocol.block_hashes import chain_hashes, prompt_digest
-from splitserve.protocol.engine import KVHandle
+from splitserve.protocol.engine import KVHandle, RequestKind
 from splitserve.sampling_params import SamplingParams, sibling_seed
 from splitserve.tokens import PromptTokens
 
@@ -47,12 +47,15 @@ def check_relayed_prompt(tokens: np.ndarray, handle: KVHandle, block_size: int,
 
 
 def check_resumed(prompt: PromptTokens, params: SamplingParams, resumed: np.ndarray,
-                  disaggregated: bool, vocab_size: int, max_model_len: int) -> None:
-    """Mid-stream migration: output another worker streamed, continued here."""
+                  kind: RequestKind, vocab_size: int, max_model_len: int) -> None:
+    """Mid-stream migration: output another worker streamed, continued here, recomputed
+    with the prompt (aggregated) or pulled with its KV from a draining worker
+    (generation_only)."""
     param = "disaggregated_params.resume_token_ids"
-    if disaggregated or params.n > 1 or prompt.is_placeholder:
-        raise InvalidRequestError("a resumed request is an aggregated n = 1 request with "
-                                  "its prompt's token values", param)
+    if kind == RequestKind.CONTEXT_ONLY or params.n > 1 or (
+            kind == RequestKind.AGGREGATED and prompt.is_placeholder):
+        raise InvalidRequestError("a resumed request is an n = 1 request with its prompt's "
+                                  "token values, or its KV handle", param)
     if len(resumed) == 0 or int(resumed.min()) < 0 or int(resumed.max()) >= vocab_size:
         raise InvalidRequestError("resume_token_ids must be token ids of this vocabulary", param)
     if len(prompt) + len(resumed) >= max_model_len:

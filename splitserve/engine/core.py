@@ -19,7 +19,7 @@ from splitserve.engine.admission import (check_length_only, check_relayed_prompt
 from splitserve.engine.failures import FailureHandling
 from splitserve.engine.grammar import GrammarFailed, GrammarRoom, advance, start_matcher
 from splitserve.engine.output import OutputBuilder
-from splitserve.engine.disagg import RemoteKV
+from splitserve.engine.disagg import RemoteKV, can_move
 from splitserve.engine.prompt_reads import reads_prompt
 from splitserve.engine.request import FinishReason, Request
 from splitserve.engine.runner import ModelRunner, StepResult
@@ -57,6 +57,7 @@ class EngineCore(FailureHandling):
         self.runner = ModelRunner(model, cfg, num_blocks, block_size, config.torch_dtype, platform)
         self.sampler = Sampler(cfg.vocab_size, seed=config.seed, device=platform.device)
         self.pending: list[CompletionDelta] = []   # deltas produced between steps (aborts)
+        self.draining: set[int] = set()            # front-ends whose streams are handed off
         self._batch: list[Request] = []            # the running step's requests
         self.remote_kv = RemoteKV(config.kv, self.block_manager, self.runner.kv_cache, cfg,
                                   config.torch_dtype, platform)
@@ -85,7 +86,8 @@ class EngineCore(FailureHandling):
             raise InvalidRequestError("n > 1 is not supported for disaggregated requests", "n")
         hashes = None   # of a relayed prompt: checked against the KV handle's digest
         if remote is not None:
-            self.remote_kv.check(remote, len(prompt), self.model_config.vocab_size)
+            self.remote_kv.check(remote, len(prompt), self.model_config.vocab_size,
+                                 request.num_resumed)
             if not prompt.is_placeholder:
                 hashes = check_relayed_prompt(prompt.array, remote.handle,
                                               self.block_manager.block_size, request.hash_root)
@@ -94,7 +96,7 @@ class EngineCore(FailureHandling):
         if prompt.is_placeholder:
             check_length_only(params, remote)
         if resumed is not None:
-            check_resumed(prompt, params, resumed.array, request.disaggregated,
+            check_resumed(prompt, params, resumed.array, request.kind,
                           self.model_config.vocab_size, self.max_model_len)
         if params.grammar is not None and self.grammars.cached(request) is None:
             self.grammars.submit(request, hashes)   # admitted by a step once compiled
@@ -143,6 +145,7 @@ class EngineCore(FailureHandling):
                          grammar=_matcher(template, resumed or []))
         leader.pull_prompt = prompt.is_placeholder and reads_prompt(params, request.prompt_back)
         leader.prompt_back = leader.pull_prompt and request.prompt_back
+        leader.movable, leader.peer = request.movable and n == 1, request.peer
         self.scheduler.add(leader)
         # Final-only output, except for sequences with generation logprobs: held, their
         # deltas grow to the whole response's logprobs (2^20 entries at the bound), which the
@@ -160,6 +163,26 @@ class EngineCore(FailureHandling):
             if not req.is_finished:
                 self._guard(req, self.pending, "aborting", self._finish, req, FinishReason.ABORT,
                             self.pending)
+
+    def drain(self, peer: int = 0) -> None:
+        """Front-end `peer` is stopping: from the next step on, each of its movable streams
+        that is decoding ends at the step boundary with a HANDOFF delta carrying its KV lease
+        (remote_kv.move), for the orchestrator to continue on another worker; the rest run
+        to their end. undrain(peer) ends it (a new front-end took the peer's place)."""
+        self.draining.add(peer)
+
+    def undrain(self, peer: int) -> None:
+        self.draining.discard(peer)
+
+    def _hand_off_streams(self, out: list[CompletionDelta]) -> None:
+        moving = [r for r in self.scheduler.running if r.peer in self.draining and can_move(r)]
+        for req in moving:
+            self._guard(req, out, "handing it off", self._move, req, out)
+
+    def _move(self, req: Request, out: list[CompletionDelta]) -> None:
+        delta = CompletionDelta(req.group_id, req.index, [], "")
+        delta.kv_handle = self.remote_kv.move(req)
+        self._finish(req, FinishReason.HANDOFF, out, delta)
 
     def _finish(self, req: Request, reason: FinishReason, out: list[CompletionDelta],
                 delta: CompletionDelta | None = None, error: str | None = None) -> None:
@@ -200,6 +223,8 @@ class EngineCore(FailureHandling):
     def _step(self, out: list[CompletionDelta]) -> None:
         self._admit_compiled()
         self._poll_remote_kv(out)
+        if self.draining:
+            self._hand_off_streams(out)
         sched = self.scheduler.schedule()
         self._batch = [*sched.scheduled, *sched.pulls]
         for req in sched.pulls:

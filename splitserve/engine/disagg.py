@@ -1,5 +1,5 @@
-"""The engine side of disaggregation: leasing a context_only request's KV, and pulling a
-generation_only request's KV before it decodes.
+"""The engine side of disaggregation: leasing a context_only request's KV (or a draining
+worker's stream's: can_move), and pulling a generation_only request's KV before it decodes.
 
 Runs on the engine thread except for the transport's `done` callbacks, which only queue
 results (and wake an idle engine loop); every block-manager call stays on the engine thread.
@@ -18,7 +18,8 @@ from splitserve.config import KVTransferConfig
 from splitserve.engine.admission import check_relayed_prompt
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.kv_leases import LeaseTable
-from splitserve.engine.request import NO_BLOCKS, Request
+from splitserve.engine.prompt_reads import reads_prompt
+from splitserve.engine.request import NO_BLOCKS, Request, RequestStatus
 from splitserve.errors import InvalidRequestError
 from splitserve.kv.base import PullResult, layout_fingerprint, make_transport
 from splitserve.kv.peers import KVPeers
@@ -40,6 +41,15 @@ class PullStats:
     def count(self, result: PullResult, block_nbytes: int) -> None:
         self.bytes_pulled += result.nbytes
         self.blocks_pulled += result.nbytes // block_nbytes
+
+
+def can_move(req: Request) -> bool:
+    """A stream a draining worker hands off at a step boundary: movable (n = 1, its stream
+    continued by the orchestrator), decoding (all but its last output token computed, no
+    pull under way), and reading no prompt values (they would have to travel too)."""
+    return (req.movable and req.status == RequestStatus.RUNNING and not req.pulling
+            and req.num_output_tokens > 0 and req.num_computed_tokens == req.num_tokens - 1
+            and not reads_prompt(req.params, req.prompt_back))
 
 
 class RemoteKV:
@@ -87,12 +97,42 @@ class RemoteKV:
                         agent_metadata=self.transport.agent_metadata(), lease_token=token,
                         prompt_digest=digest, block_hashes=b"".join(hashes))
 
+    def move(self, req: Request) -> KVHandle:
+        """A draining worker's stream (can_move): the blocks of its computed KV, the prompt
+        and all but the last output token, move into a lease, as a context_only request's
+        prompt does; blocks past them are freed. Its prompt's block hashes go with the handle
+        where they are known (the next worker looks them up in its prefix cache); no token
+        ids go (a stream whose prompt values are read is not moved). The caller finishes it."""
+        n = req.num_computed_tokens
+        keep = self.bm.blocks_needed(n)
+        blocks, rest = req.block_ids[:keep], req.block_ids[keep:]
+        hashes = self._known_prompt_hashes(req)
+        token = self.leases.add(req.request_id, blocks, n)
+        req.block_ids = NO_BLOCKS
+        if len(rest):
+            self.bm.free_blocks(rest)
+        return KVHandle(backend=self.config.backend, endpoint=self.endpoint,
+                        ctx_request_id=req.request_id, layout=self.layout, num_tokens=n,
+                        agent_metadata=self.transport.agent_metadata(), lease_token=token,
+                        block_hashes=b"".join(hashes))
+
+    def _known_prompt_hashes(self, req: Request) -> list[bytes]:
+        """req's full prompt blocks' hashes; none when its prompt is a placeholder that
+        came without them."""
+        full = req.num_prompt_tokens // self.bm.block_size
+        if req.prompt.is_placeholder:
+            return req.block_hashes[:full] if len(req.block_hashes) >= full else []
+        return self.bm.prompt_hashes(req)
+
     def release_ended_leases(self) -> None:
         for block_ids in self.leases.collect():
             self.bm.free_blocks(block_ids)
 
     # -- generation_only ------------------------------------------------------------------
-    def check(self, remote: RemotePrefill, prompt_len: int, vocab_size: int) -> None:
+    def check(self, remote: RemotePrefill, prompt_len: int, vocab_size: int,
+              num_resumed: int = 0) -> None:
+        """The handle is one this worker may pull, of its layout, for prompt_len tokens (a
+        moved stream's: and its num_resumed output tokens but the last)."""
         h = remote.handle
         if h.layout != self.layout:   # the layouts go to the log: they describe the deployment
             logger.warning("engine: KV layout mismatch: a handle of [%.200s], this worker [%s]",
@@ -109,9 +149,13 @@ class RemoteKV:
         if h.backend != self.config.backend:
             raise InvalidRequestError(f"the context worker uses KV backend {h.backend!r}, this "
                                       f"worker {self.config.backend!r}", "disaggregated_params.kv_handle")
-        if h.num_tokens != prompt_len:
-            raise InvalidRequestError(f"prompt_len {prompt_len} disagrees with the KV handle's "
-                                      f"{h.num_tokens} tokens", "disaggregated_params.prompt_len")
+        held = prompt_len + max(num_resumed - 1, 0)
+        if h.num_tokens != held:
+            raise InvalidRequestError(f"prompt_len {prompt_len} and {num_resumed} resumed tokens "
+                                      f"disagree with the KV handle's {h.num_tokens} tokens",
+                                      "disaggregated_params.prompt_len")
+        if num_resumed and not remote.first_gen_tokens:
+            return    # a moved stream: its resumed output takes the first tokens' place
         if not remote.first_gen_tokens or not all(0 <= t < vocab_size for t in remote.first_gen_tokens):
             raise InvalidRequestError("first_gen_tokens must be token ids of this vocabulary",
                                       "disaggregated_params.first_gen_tokens")
@@ -135,9 +179,9 @@ class RemoteKV:
         req.pulling = True
         skip = req.num_cached_tokens // self.bm.block_size
         self.stats.blocks_reused += skip
-        n_blocks = self.bm.blocks_needed(req.num_prompt_tokens)
-        # The CTX compares num_tokens with the lease: send this request's own prompt_len.
-        handle = msgspec.structs.replace(req.remote.handle, num_tokens=req.num_prompt_tokens)
+        n_blocks = self.bm.blocks_needed(req.num_remote_tokens)
+        # The CTX compares num_tokens with the lease: send this request's own count.
+        handle = msgspec.structs.replace(req.remote.handle, num_tokens=req.num_remote_tokens)
         self.transport.pull(handle, req.block_ids[skip:n_blocks],
                             lambda result: self._done(req, result), skip=skip,
                             with_tokens=req.pull_prompt)

@@ -100,8 +100,11 @@ class OutputBuilder:
             delta = self._hold(req, delta)
             del self.final_only[id(req)]
         detok = self.detokenizers.pop(id(req), None)
-        if detok is not None and not isinstance(req.stop_reason, str):
-            delta.text += detok.flush()   # a matched stop string already cut the text
+        # A matched stop string already cut the text; a handed-off sequence's held-back text
+        # is the next worker's to send (its detokenizer reads the same tokens and holds it).
+        if detok is not None and not isinstance(req.stop_reason, str) \
+                and reason != FinishReason.HANDOFF:
+            delta.text += detok.flush()
         delta.finish_reason = int(reason)
         delta.stop_reason = req.stop_reason
         delta.error = error

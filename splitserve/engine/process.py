@@ -28,8 +28,8 @@ from splitserve.engine.process_io import (
     _internal_error, _recv_loop, _rejected, _send_loop, _Unreadable)
 from splitserve.errors import InvalidRequestError
 from splitserve.protocol.engine import (
-    AbortRequests, CompletionDelta, EngineDead, EngineOutputs, EngineReady, EngineRequest,
-    EngineStats, PeerGone, Shutdown)
+    AbortRequests, CompletionDelta, Drain, EngineDead, EngineOutputs, EngineReady,
+    EngineRequest, EngineStats, PeerGone, Shutdown)
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +87,17 @@ def run_engine_core(config: EngineConfig, input_addrs: str | list[str],
     finally:
         out_q.put(None)
         time.sleep(0.1)
+    _exit(engine)
+
+
+def _exit(engine: EngineCore) -> None:
+    """The step loop ended (Shutdown, or the parent is gone): the KV transport is closed, so
+    its peers see its sockets go, and the process ends at once. The interpreter's own
+    teardown (torch, the frozen heaps, sockets still lingering) takes seconds when the CPU
+    is shared with a busy engine, and the worker waits for it to stop."""
+    engine.remote_kv.close()
+    logging.shutdown()
+    os._exit(0)
 
 
 _WAKE = object()
@@ -151,11 +162,16 @@ def _handle(engine: EngineCore, item, deltas: list[CompletionDelta],
             for rid in item.request_ids:
                 engine.abort_request(rid)
         elif isinstance(item, PeerGone):
+            engine.undrain(item.peer)
             ids = router.gone(item.peer) if router is not None else []
             logger.warning("engine: front-end %d is gone; aborting its %d request(s)",
                            item.peer, len(ids))
             for rid in ids:
                 engine.abort_request(rid)
+        elif isinstance(item, Drain):
+            logger.info("engine: front-end %d drains: its decoding streams are handed off",
+                        item.peer)
+            engine.drain(item.peer)
         elif isinstance(item, _Unreadable):
             deltas.append(item.delta())
         else:

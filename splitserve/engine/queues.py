@@ -101,7 +101,7 @@ class RequestQueues:
         checked against the KV handle (a length-only prompt's: the context worker's)."""
         self.transferring.remove(req)
         req.remote = None
-        req.num_computed_tokens = req.num_prompt_tokens
+        req.num_computed_tokens = req.num_remote_tokens
         req.status = RequestStatus.RUNNING
         self.running.append(req)
         assert (req.prompt.is_placeholder or

@@ -106,6 +106,9 @@ class Request:
         self.pull_prompt = False
         self.prompt_back = False
         self.kv_transfer_time = 0.0
+        # Its stream continues elsewhere if its front-end drains (EngineRequest.movable).
+        self.movable = False
+        self.peer = 0                     # the front-end that submitted it
         # Output budget, clamped so prompt + output never exceeds the model's context.
         limit = max_model_len - len(prompt)
         self.max_tokens = limit if params.max_tokens is None else min(params.max_tokens, limit)
@@ -113,6 +116,12 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt)
+
+    @property
+    def num_remote_tokens(self) -> int:
+        """generation_only: the tokens whose KV is pulled: its prompt, and a moved stream's
+        resumed output but for the last token, which is decoded here next."""
+        return len(self.prompt) + max(self.num_resumed_tokens - 1, 0)
 
     @property
     def num_tokens(self) -> int:

@@ -115,7 +115,7 @@ class Scheduler(RequestQueues):
                 cached = self._pulled_prefix(req, out)
                 reused = len(cached) * self.bm.block_size
                 if not (req in out.failed or
-                        self._allocate(req, req.num_prompt_tokens - reused, out, cached)):
+                        self._allocate(req, req.num_remote_tokens - reused, out, cached)):
                     break
                 self.waiting.popleft()
                 if req in out.failed:

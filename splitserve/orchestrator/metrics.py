@@ -27,5 +27,10 @@ class OrchestratorMetrics:
         self.migrations = r.register(Counter(p + "migrations_total",
                                              "Broken streams continued on another generation "
                                              "worker, by outcome", ("outcome",)))
+        self.handoffs = r.register(Counter(p + "handoffs_total",
+                                           "Streams continued on another generation worker, by "
+                                           "how: kv (their KV pulled from a draining worker) or "
+                                           "recompute (prompt and tokens so far prefilled again)",
+                                           ("how",)))
         self.relay_modes = r.register(Counter(p + "token_relay_total",
                                               "Requests relayed to GEN, by token relay mode", ("mode",)))

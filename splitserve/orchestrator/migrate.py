@@ -10,6 +10,12 @@ greedy output equals an uninterrupted run.
 `Continuation` makes the new worker's events look like the rest of the first stream: same
 response id and created time, no second role chunk, usage counting every token.
 
+A draining worker (server/drain.py) ends such a stream with a handoff comment instead of
+[DONE]: the generation_only parameters of the stream's KV, leased there. `moved_body` then
+continues it as a generation_only request with those and `resume_token_ids`: the new worker
+pulls the KV (the prompt's and the tokens so far but the last) and decodes on, recomputing
+nothing; should that fail before its first event, the stream is recomputed as above.
+
 Only the continuation's events are decoded as JSON; the first stream costs a byte search per
 chunk (migration is rare, streaming is not).
 """
@@ -21,7 +27,7 @@ import logging
 import orjson
 
 from splitserve.orchestrator import stream, upstream
-from splitserve.protocol.disagg import IDS_COMMENT, comment_ids
+from splitserve.protocol.disagg import HANDOFF_COMMENT, IDS_COMMENT, comment_ids
 
 logger = logging.getLogger(__name__)
 
@@ -31,13 +37,14 @@ DONE = b"data: [DONE]"
 class StreamTap:
     """Everything one response streamed so far, as far as migration needs to know."""
 
-    __slots__ = ("token_ids", "finished", "done", "first_event", "_rest")
+    __slots__ = ("token_ids", "finished", "done", "first_event", "handoff", "_rest")
 
     def __init__(self):
         self.token_ids: list[int] = []
         self.finished = False          # an event carried a finish_reason
         self.done = False              # [DONE] went out
         self.first_event: bytes | None = None   # its id and created time, decoded if needed
+        self.handoff: dict | None = None   # a draining worker's: where the stream's KV is
         self._rest = bytearray()       # an unfinished event, held until its end arrives
 
     def feed(self, chunk: bytes) -> bytes:
@@ -62,7 +69,8 @@ class StreamTap:
         return self._whole(whole)
 
     def _whole(self, whole: bytes) -> bytes:
-        if IDS_COMMENT not in whole and self.first_event is not None:
+        if IDS_COMMENT not in whole and HANDOFF_COMMENT not in whole \
+                and self.first_event is not None:
             self._note(whole)
             return whole
         kept = [e for e in whole[:-2].split(b"\n\n") if self._keep(e)]
@@ -71,6 +79,11 @@ class StreamTap:
     def _keep(self, event: bytes) -> bool:
         if event.startswith(IDS_COMMENT):
             self.token_ids += comment_ids(event)
+            return False
+        if event.startswith(HANDOFF_COMMENT):
+            self.handoff = orjson.loads(event[len(HANDOFF_COMMENT):])
+            if not isinstance(self.handoff, dict):
+                raise ValueError("a handoff that is not an object")
             return False
         if self.first_event is None and event.startswith(b"data: {"):
             self.first_event = event
@@ -95,6 +108,18 @@ def resume_body(body: dict, token_ids: list[int]) -> dict:
     out = {k: v for k, v in body.items() if k != "token_relay"}
     out["stream"] = True
     out["disaggregated_params"] = {"resume_token_ids": token_ids, "stream_token_ids": True}
+    return out
+
+
+def moved_body(body: dict, token_ids: list[int], handoff: dict) -> dict:
+    """The client's request continued after token_ids on a worker that pulls the stream's
+    KV from the draining one (handoff: its generation_only disaggregated_params); the
+    prompt travels as its length only (a stream whose prompt values are read is not
+    handed off)."""
+    out = {k: v for k, v in body.items() if k not in ("prompt", "messages", "token_relay")}
+    out["stream"] = True
+    out["disaggregated_params"] = {**handoff, "request_type": "generation_only",
+                                   "resume_token_ids": token_ids, "stream_token_ids": True}
     return out
 
 
@@ -156,9 +181,12 @@ async def carry_on(pools, request, resp, tap: StreamTap, body: dict, info,
         if not tap.migratable(limit) or server is None or server in avoid:
             break
         avoid.append(server)
-        logger.warning("orch: request %s: generation stream broke after %d tokens; "
-                       "continuing it on %s", request.id, len(tap.token_ids), server.url)
-        data = orjson.dumps(resume_body(body, tap.token_ids))
+        moved = tap.handoff is not None
+        (logger.info if moved else logger.warning)(
+            "orch: request %s: generation stream %s after %d tokens; continuing it on %s",
+            request.id, "handed off" if moved else "broke", len(tap.token_ids), server.url)
+        data = orjson.dumps(moved_body(body, tap.token_ids, tap.handoff) if moved
+                            else resume_body(body, tap.token_ids))
         server.in_flight += 1
         try:
             held = await upstream.open_generation(pools.session, server.url + request.path,
@@ -170,7 +198,10 @@ async def carry_on(pools, request, resp, tap: StreamTap, body: dict, info,
             if isinstance(exc, upstream.Retry) and exc.down:
                 pools.gen.mark_down(server.url)
             server.in_flight -= 1
+            tap.handoff = None    # its KV may be gone: the next try recomputes the stream
             continue
+        pools.metrics.handoffs.labels("kv" if moved else "recompute").inc()
+        tap.handoff = None
         try:
             try:
                 feed = Continuation(tap).feed

@@ -30,6 +30,9 @@ TOKEN_RELAYS: tuple[str, ...] = get_args(TokenRelay)
 RELAY_MODES = (*TOKEN_RELAYS, "auto")
 # stream_token_ids: the SSE comment line before each event, naming its token ids.
 IDS_COMMENT = b": ids "
+# A draining generation worker ends a stream_token_ids stream with this comment (and no
+# [DONE]): the generation_only disaggregated_params (JSON) that continue it elsewhere.
+HANDOFF_COMMENT = b": handoff "
 
 
 class DisaggregatedParams(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -45,8 +48,9 @@ class DisaggregatedParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     prompt_token_ids_b64: str | None = None    # b64: little-endian int32, base64
     # Mid-stream migration (orchestrator/migrate.py). stream_token_ids: tag each SSE event
     # with the token ids it carries, as a comment line (`: ids 1 2 3`) the orchestrator
-    # strips; resume_token_ids: output already streamed from a worker that failed; this
-    # (aggregated) request continues after it.
+    # strips; resume_token_ids: output already streamed from a worker that failed or
+    # drained; this request continues after it (aggregated: recomputing it with the prompt;
+    # generation_only: pulling its KV, all but the last token's, from the draining worker).
     stream_token_ids: bool | None = None
     resume_token_ids: list[int] | None = None
     # context_only: the client's request streams (its GEN answers in SSE), so the bound on
@@ -71,20 +75,24 @@ class DisaggregatedParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             _check_ids(self.resume_token_ids, "resume_token_ids")
 
     def check_resume(self) -> None:
-        _check(self.request_type is None, "resume_token_ids is for an aggregated request",
-               "resume_token_ids")
+        _check(self.request_type != "context_only", "resume_token_ids is for an aggregated "
+               "or generation_only request", "resume_token_ids")
         _check(bool(self.resume_token_ids), "resume_token_ids must not be empty",
                "resume_token_ids")
 
     def check_generation_only(self) -> None:
-        """A generation_only request must say where its KV is and what came first."""
-        for name in ("kv_handle", "first_gen_tokens", "prompt_len"):
+        """A generation_only request must say where its KV is and what came first (the
+        context worker's first tokens, or a moved stream's resumed output: the handle holds
+        the KV of all but its last token)."""
+        first = "resume_token_ids" if self.resume_token_ids else "first_gen_tokens"
+        for name in ("kv_handle", first, "prompt_len"):
             _check(getattr(self, name) is not None, f"{name} is required for generation_only", name)
         _check(self.prompt_token_ids is None or self.prompt_token_ids_b64 is None,
                "send prompt_token_ids or prompt_token_ids_b64, not both", "prompt_token_ids")
-        _check(self.prompt_len == self.kv_handle.num_tokens,
-               f"prompt_len {self.prompt_len} disagrees with the KV handle's "
-               f"{self.kv_handle.num_tokens} tokens", "prompt_len")
+        held = self.prompt_len + max(len(self.resume_token_ids or ()) - 1, 0)
+        _check(held == self.kv_handle.num_tokens,
+               f"prompt_len {self.prompt_len} (and resume_token_ids) disagree with the KV "
+               f"handle's {self.kv_handle.num_tokens} tokens", "prompt_len")
 
 
 def relayed_handle(handle: KVHandle, relay: str | None) -> KVHandle:
@@ -100,6 +108,12 @@ def ids_comment(token_ids: list[int]) -> bytes:
     """The comment naming the tokens of the SSE event after it: clients ignore comments;
     the orchestrator reads and strips them to migrate a broken stream."""
     return IDS_COMMENT + " ".join(map(str, token_ids)).encode() + b"\n\n"
+
+
+def handoff_comment(params: DisaggregatedParams) -> bytes:
+    """The last event of a stream handed off by a draining worker: params without the
+    resumed tokens (the orchestrator has them from the ids comments)."""
+    return HANDOFF_COMMENT + msgspec.json.encode(params) + b"\n\n"
 
 
 def comment_ids(event: bytes) -> list[int]:

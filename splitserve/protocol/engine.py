@@ -44,7 +44,8 @@ class KVHandle(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     endpoint: str                # the CTX engine's KV server
     ctx_request_id: str
     layout: str                  # kv.base.layout_fingerprint() of the CTX engine
-    num_tokens: int              # tokens whose KV is held: the prompt
+    num_tokens: int              # tokens whose KV is held: the prompt (a moved stream's:
+                                 # its prompt and all but its last output token)
     agent_metadata: bytes = b""  # backend extra (nixl agent metadata)
     lease_token: str = ""        # the CTX's per-lease secret: only its holder may pull and ack
     # block_hashes.prompt_digest of the prompt whose KV is held (hex): a GEN given the prompt's
@@ -70,7 +71,9 @@ class KVHandle(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
 
 
 class RemotePrefill(msgspec.Struct, omit_defaults=True, gc=False):
-    """generation_only: the prompt's KV is on a context worker; CTX sampled first_gen_tokens."""
+    """generation_only: the prompt's KV is on a context worker; CTX sampled first_gen_tokens.
+    A stream moved off a draining generation worker has none: its resumed output is in the
+    handle's KV but for its last token, which it decodes next."""
     handle: KVHandle
     first_gen_tokens: list[int]
     first_gen_logprobs: list[Logprob] | None = None
@@ -116,7 +119,7 @@ class FinishReason(enum.IntEnum):
     LENGTH = 1
     ABORT = 2
     ERROR = 3
-    HANDOFF = 4                 # continues on a generation worker
+    HANDOFF = 4                 # continues on a generation worker (its KV leased)
 
     def __str__(self) -> str:
         return self.name.lower()
@@ -149,6 +152,9 @@ class EngineRequest(msgspec.Struct, kw_only=True, dict=True):
     # block_hashes.salted_root of the request's effective cache_salt (b"": none):
     # where its chained block hashes start. The salt itself never reaches the engine.
     hash_root: bytes = b""
+    # A stream the orchestrator can continue elsewhere (it tags events with their ids): a
+    # draining engine hands it off with its KV leased instead of decoding it to the end.
+    movable: bool = False
 
     # In-process only, never encoded (class defaults until an instance sets its own).
     prompt = None      # PromptTokens (a placeholder for a length-only prompt); None in the
@@ -169,13 +175,14 @@ class EngineRequest(msgspec.Struct, kw_only=True, dict=True):
     def build(cls, request_id: str, prompt: PromptTokens, params: SamplingParams, *,
               kind: RequestKind = RequestKind.AGGREGATED, remote: RemotePrefill | None = None,
               stream: bool = True, resumed: PromptTokens | None = None,
-              prompt_back: bool = False, hash_root: bytes = b"") -> EngineRequest:
+              prompt_back: bool = False, hash_root: bytes = b"",
+              movable: bool = False) -> EngineRequest:
         """The request with its tokens; the lengths the message declares are theirs, so
         the frame always adds up."""
         request = cls(request_id=request_id, params=params, prompt_len=len(prompt),
                       placeholder=prompt.is_placeholder, kind=kind, remote=remote,
                       stream=stream, num_resumed=0 if resumed is None else len(resumed),
-                      prompt_back=prompt_back, hash_root=hash_root)
+                      prompt_back=prompt_back, hash_root=hash_root, movable=movable)
         request.prompt, request.resumed = prompt, resumed
         return request
 
@@ -253,13 +260,20 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
     pass
 
 
+class Drain(msgspec.Struct, tag="drain"):
+    """Front-end `peer` is stopping: from the next step on, each of its movable streams that
+    is decoding ends with a HANDOFF delta, its KV leased for the generation worker that
+    continues it. Until PeerGone(peer): a front-end started in its place serves anew."""
+    peer: int = 0
+
+
 class PeerGone(msgspec.Struct, tag="gone"):
     """From the process that owns the engine: front-end `peer` died; abort its requests
     (so their KV blocks are freed): a restarted front-end starts with none."""
     peer: int
 
 
-EngineInput = AddRequests | AbortRequests | Shutdown | PeerGone
+EngineInput = AddRequests | AbortRequests | Shutdown | PeerGone | Drain
 
 
 class NamedRequest(msgspec.Struct, gc=False):

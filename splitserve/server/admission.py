@@ -32,11 +32,14 @@ def engine_requests(req, rid: str, prompts: list[PromptTokens], params: Sampling
     if kind == RequestKind.CONTEXT_ONLY and req.stream:
         raise InvalidRequestError("a context_only request cannot stream", "stream")
     resumed = resumed_output(req, prompts, params)
+    dp = req.disaggregated_params
     # echo of a length-only prompt: its ids come back from the engine (with its KV)
     back = prompts[0].is_placeholder and bool(getattr(req, "echo", False))
+    movable = bool(req.stream) and bool(dp and dp.stream_token_ids) and len(prompts) == 1
     return [EngineRequest.build(f"{rid}-{i}" if i else rid, p, params,
                                 kind=kind, remote=remote, stream=bool(req.stream),
-                                resumed=resumed, prompt_back=back, hash_root=hash_root)
+                                resumed=resumed, prompt_back=back, hash_root=hash_root,
+                                movable=movable)
             for i, p in enumerate(prompts)]
 
 
@@ -108,7 +111,8 @@ def relayed_prompt(req, params: SamplingParams) -> tuple[list[PromptTokens], Rem
     if len(prompt) != dp.prompt_len:
         raise InvalidRequestError(f"prompt_len {dp.prompt_len} disagrees with the {len(prompt)} "
                                   f"relayed prompt tokens", "disaggregated_params.prompt_len")
-    return [prompt], RemotePrefill(dp.kv_handle, dp.first_gen_tokens, dp.first_gen_logprobs), mode
+    first = dp.first_gen_tokens or []   # none: a moved stream (its resumed output)
+    return [prompt], RemotePrefill(dp.kv_handle, first, dp.first_gen_logprobs), mode
 
 
 def resumed_output(req, prompts: list[PromptTokens], params: SamplingParams) -> PromptTokens | None:

@@ -29,6 +29,7 @@ from splitserve.protocol.tool_template import describe as describe_tools, tool_t
 from splitserve.protocol.prompts import chat_prompt, encode_prompt, with_template_file
 from splitserve.request_log import Totals, log_finished, log_throughput
 from splitserve.server.config import ServerConfig
+from splitserve.server.drain import drain
 from splitserve.server.engine_client import EngineClient, EngineDeadError
 from splitserve.server.engine_link import EngineLink
 from splitserve.server.etcd_registration import EtcdRegistration
@@ -54,6 +55,10 @@ class Overloaded(RuntimeError):
     """More requests wait for the engine than the worker is configured to hold: 503."""
 
 
+class Draining(Overloaded):
+    """The worker is stopping (server/drain.py): 503, another worker takes the request."""
+
+
 class _DetokenizeBody(msgspec.Struct):
     tokens: list[int]
 
@@ -69,6 +74,7 @@ class WorkerServer:
         self.log_prefix = self.engine.log_prefix
         self._reporter: asyncio.Task | None = None
         self._stats_log: asyncio.Task | None = None
+        self.draining = False     # stopping: new generation requests are refused (drain.py)
         # The front-end needs only the tokenizer; weights are read by the engine process.
         source = load_model_source(config.engine.model, config.engine.load_format)
         self.tokenizer = with_template_file(source.tokenizer, config.chat_template)
@@ -112,7 +118,10 @@ class WorkerServer:
 
     def admit(self) -> None:
         """Refuse a generation request at once, before any work is spent on it, when the
-        engine is down or too many requests wait for it (503 with Retry-After)."""
+        engine is down, too many requests wait for it, or the worker is stopping (503 with
+        Retry-After)."""
+        if self.draining:
+            raise Draining("this worker is stopping; retry on another")
         self.engine.check_available()
         waiting = self.engine.num_waiting
         if waiting >= self.config.max_waiting_requests:
@@ -192,7 +201,7 @@ class WorkerServer:
 
     async def health(self, request: Request) -> Response:
         """Up or not, and the answer to a challenge (trust.py) whichever it is."""
-        problem = self.engine.health()
+        problem = "draining: this worker is stopping" if self.draining else self.engine.health()
         if problem is None:
             # `bench frontend --url` refuses a worker whose KV backend is not `none`
             response = json_response({"status": "ok", "role": self.config.role,
@@ -286,6 +295,8 @@ class WorkerServer:
 
     async def stop(self) -> None:
         await Registration.leave(getattr(self, "registration", None))
+        if self.engine.healthy:
+            await drain(self, self.config.drain_grace_seconds)
         for task in (self._reporter, self._stats_log):
             if task is not None:
                 task.cancel()

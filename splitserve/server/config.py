@@ -77,6 +77,12 @@ class ServerConfig:
         "--membership", "join the cluster's members in etcd while serving (a lease, renewed; "
                         "revoked on a clean stop); ?ttl=S: the lease's seconds",
         metavar="etcd://HOST:PORT/PREFIX"))
+    # drain.py: how long a stopping worker waits for its streams to be handed off, its
+    # requests to end and its KV leases to be pulled.
+    drain_grace_seconds: float = field(default=10.0, metadata=flag(
+        "--drain-grace-seconds", "on SIGTERM, at most this long to hand live streams to other "
+                                 "generation workers (by moving their KV), finish the rest and "
+                                 "have leased KV pulled, before stopping"))
     disable_log_requests: bool = field(default=False, metadata=flag(
         "--disable-log-requests", "no log line per finished request (id, route, status, "
                                   "tokens, TTFT)"))
@@ -103,6 +109,8 @@ class ServerConfig:
             raise ValueError(f"api_server_count must be at least 1, got {self.api_server_count}")
         if not self.grammar_compile_seconds > 0:
             raise ValueError("grammar_compile_seconds must be positive")
+        if not self.drain_grace_seconds >= 0:
+            raise ValueError("drain_grace_seconds must be at least 0")
         if not self.engine_stall_seconds > 0:
             raise ValueError("engine_stall_seconds must be positive")
         check_isolation(self.cache_isolation, self.api_key)

@@ -19,7 +19,7 @@ from typing import AsyncIterator
 import msgspec
 
 from splitserve.protocol.engine import (
-    AbortRequests, AddRequests, CompletionDelta, EngineDead, EngineOutputs, EngineReady,
+    AbortRequests, AddRequests, CompletionDelta, Drain, EngineDead, EngineOutputs, EngineReady,
     EngineRequest, EngineStats, KVBlocks, pack_input)
 from splitserve.server.delta_queue import DeltaQueue
 from splitserve.server.engine_process import EngineDeadError, EngineSockets
@@ -160,6 +160,12 @@ class EngineLink:
         if batch and self.healthy:
             header = self._encoder.encode(AddRequests(batch, self.peer))
             self.engine.send(pack_input(header, [r.token_bytes() for r in batch]))
+
+    def drain(self) -> None:
+        """This front-end is stopping: the engine hands off its movable streams (Drain)."""
+        self._flush()
+        if self.healthy:
+            self.engine.send(pack_input(self._encoder.encode(Drain(self.peer))))
 
     async def abort(self, request_ids: list[str]) -> None:
         self._flush()   # an abort must not overtake the request it aborts

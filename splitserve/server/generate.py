@@ -18,7 +18,8 @@ import numpy as np
 from splitserve.errors import InvalidRequestError
 from splitserve.httpd import ChunkedStream, Request, Response
 from splitserve.protocol.block_hashes import salted_root
-from splitserve.protocol.disagg import DisaggregatedParams, ids_comment, relayed_handle
+from splitserve.protocol.disagg import (
+    DisaggregatedParams, handoff_comment, ids_comment, relayed_handle)
 from splitserve.protocol.engine import CompletionDelta, EngineRequest, RemotePrefill, RequestKind
 from splitserve.protocol.internal_api import SENT_AT_HEADER
 from splitserve.protocol.openai import (
@@ -179,7 +180,7 @@ class GenerateHandlers:
         observe = _Observer(self.server.metrics, arrival, requests[0].remote is not None)
         request.outcome = observe     # what the request's log line says (server/app.py)
         if req.stream:
-            return await self._stream(request, req, deltas, observe, kwargs)
+            return await self._stream(request, req, deltas, observe, kwargs, len(prompts[0]))
         acc = ResponseAccumulator(req, self.server.model_name, num_prompts=len(prompts), **kwargs)
         handoff = None
         async with aclosing(deltas):
@@ -197,15 +198,21 @@ class GenerateHandlers:
         # up to MAX_LOGPROB_ENTRIES entries to shape: seconds of CPU, in the pool
         return Response(await self.server.in_pool(lambda: acc.body(extra)))
 
-    async def _stream(self, request, req, deltas, observe, kwargs) -> ChunkedStream:
+    async def _stream(self, request, req, deltas, observe, kwargs,
+                      prompt_len: int) -> ChunkedStream:
         """The head goes out first; whatever fails after it (the engine died, a bug) ends
-        the stream with an error event and [DONE], never a silent close."""
+        the stream with an error event and [DONE], never a silent close. A stream the
+        draining engine handed off ends with the handoff comment instead, and no [DONE]."""
         enc = StreamEncoder(req, self.server.model_name, **kwargs)
         tag_ids = bool(req.disaggregated_params and req.disaggregated_params.stream_token_ids)
         resp = request.stream(self.server.gate.proven(request.header, SSE_HEADERS))
         try:
             async with aclosing(deltas):
                 async for i, delta in deltas:
+                    if delta.kv_handle is not None and tag_ids:
+                        await resp.write(handoff_comment(_moved_params(delta, prompt_len)))
+                        resp.end()
+                        return resp
                     observe(i, delta)
                     chunk = enc.chunk(delta, i)
                     if tag_ids and delta.token_ids:
@@ -306,6 +313,16 @@ class _Observer:
         if self.generation_only:
             m.gen_preprocessing.observe(admitted)
             m.kv_transfer.observe(delta.kv_transfer_time)
+
+
+def _moved_params(handoff: CompletionDelta, prompt_len: int) -> DisaggregatedParams:
+    """A draining worker's stream: what continues it on another generation worker, with the
+    tokens it streamed (the orchestrator has them) as resume_token_ids. Length only: a
+    stream whose prompt values are read is not moved (engine/disagg.can_move)."""
+    handle = handoff.kv_handle
+    return DisaggregatedParams(request_type="generation_only", prompt_len=prompt_len,
+                               ctx_request_id=handle.ctx_request_id, kv_handle=handle,
+                               token_relay="metadata")
 
 
 def _handoff_params(req, handoff: CompletionDelta, prompt: PromptTokens) -> dict:

@@ -8,15 +8,15 @@ from splitserve.tokens import PromptTokens
 
 def add_request(engine, request_id, prompt, params, *, context_only=False, remote=None,
                 stream=True, resumed=None, received_time=None, prompt_back=False,
-                hash_root=b"") -> None:
+                hash_root=b"", movable=False, peer=0) -> None:
     kind = (RequestKind.CONTEXT_ONLY if context_only else
             RequestKind.GENERATION_ONLY if remote is not None else RequestKind.AGGREGATED)
     if resumed is not None:
         resumed = PromptTokens(resumed)
     request = EngineRequest.build(request_id, prompt, params, kind=kind, remote=remote,
                                   stream=stream, resumed=resumed, prompt_back=prompt_back,
-                                  hash_root=hash_root)
-    request.received = received_time
+                                  hash_root=hash_root, movable=movable)
+    request.received, request.peer = received_time, peer
     engine.add_request(request)
 
 
