@@ -146,6 +146,7 @@ class Continuation:
         events = self.inner.feed(chunk)
         self.tap.token_ids[self.earlier:] = self.inner.token_ids
         self.tap.finished, self.tap.done = self.inner.finished, self.inner.done
+        self.tap.handoff = self.inner.handoff    # the continuing worker drains too
         for event in events[:-2].split(b"\n\n") if events else ():
             out.append(self._rewrite(event))
         return b"".join(e + b"\n\n" for e in out if e)
@@ -207,7 +208,8 @@ async def carry_on(pools, request, resp, tap: StreamTap, body: dict, info,
                 feed = Continuation(tap).feed
             except (ValueError, AttributeError):    # the first stream's first event
                 return stream.MALFORMED
-            problem = await stream.relay(held, resp, config.idle_timeout, feed)
+            problem = await stream.relay(held, resp, config.idle_timeout, feed,
+                                         lambda: tap.handoff is not None)
         finally:
             held.response.close()
             server.in_flight -= 1

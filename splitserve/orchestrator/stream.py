@@ -84,7 +84,8 @@ async def forward(request: Request, held: Held, idle: float, tap=None,
     if not held.streaming:
         return Response(held.head, upstream.status, ctype)
     resp = request.stream({"Content-Type": ctype, "Cache-Control": "no-cache"}, upstream.status)
-    problem = await relay(held, resp, idle, tap.feed if tap is not None else None)
+    problem = await relay(held, resp, idle, tap.feed if tap is not None else None,
+                          lambda: tap is not None and tap.handoff is not None)
     if problem in (BROKE, ENDED) and carry_on is not None:
         problem = await carry_on(resp, problem)
     if problem is not None:
@@ -92,9 +93,12 @@ async def forward(request: Request, held: Held, idle: float, tap=None,
     return resp    # the server ends its chunked body
 
 
-async def relay(held: Held, resp: ChunkedStream, idle: float, feed=None) -> str | None:
+async def relay(held: Held, resp: ChunkedStream, idle: float, feed=None,
+                handed_off=lambda: False) -> str | None:
     """GEN's bytes (its held head first) to the client until GEN's end, each through
-    feed(bytes) -> bytes if given; what went wrong, in the client's terms."""
+    feed(bytes) -> bytes if given; what went wrong, in the client's terms. A stream that
+    ends without [DONE] after a draining worker's handoff (handed_off()) is ENDED too, but
+    expected: its continuation is logged, not a warning."""
     try:
         last = _fed(feed, held.head) if feed is not None else held.head
         if last:
@@ -120,7 +124,8 @@ async def relay(held: Held, resp: ChunkedStream, idle: float, feed=None) -> str 
         logger.warning("orch: generation stream is malformed: %s", describe(exc.__cause__))
         return MALFORMED
     if not last.endswith(DONE):
-        logger.warning("orch: generation stream ended without [DONE]")
+        if not handed_off():
+            logger.warning("orch: generation stream ended without [DONE]")
         return ENDED
     return None
 

@@ -6,7 +6,7 @@ import json
 import msgspec
 import pytest
 
-from splitserve.orchestrator.migrate import StreamTap, moved_body
+from splitserve.orchestrator.migrate import Continuation, StreamTap, moved_body
 from splitserve.protocol.disagg import DisaggregatedParams, handoff_comment
 from splitserve.protocol.engine import KVHandle
 
@@ -57,3 +57,15 @@ def test_moved_body_is_a_generation_only_continuation_the_worker_decodes():
     assert dp.resume_token_ids == [11, 12, 13] and dp.kv_handle == HANDLE
     assert dp.stream_token_ids and dp.first_gen_tokens is None
     assert body["prompt"] == "hello"     # the client's body is not changed
+
+
+def test_a_continuation_handed_off_again_is_moved_by_its_kv_again():
+    """The worker a stream was continued on drains too: the first stream's tap holds the
+    second handoff, so the next continuation pulls that KV instead of recomputing."""
+    tap = StreamTap()
+    tap.feed(STREAM)
+    tap.handoff = None                  # carry_on took the first handoff
+    second = Continuation(tap)
+    out = second.feed(b": ids 14\n\n" + event("d") + handoff_comment(PARAMS))
+    assert b"handoff" not in out and tap.token_ids == [11, 12, 13, 14]
+    assert tap.handoff["kv_handle"]["num_tokens"] == 25
