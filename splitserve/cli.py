@@ -66,6 +66,13 @@ def _add_secret_arguments(p, what: str, isolation_default: str | None = "none") 
                         "variable: every local user can read a command line)")
 
 
+def add_worker_flags(p, *names: str) -> None:
+    """`serve`'s flags of these names (server/config.py), for `up` to pass to its workers."""
+    from splitserve.flags import add_flags
+    from splitserve.server.config import ServerConfig
+    add_flags(p, ServerConfig, *names)
+
+
 def add_allowed_origins_argument(p, more: str) -> None:
     from splitserve.httpd.cors import parse_origins
     p.add_argument("--allowed-origins", type=parse_origins, default=None,

@@ -63,6 +63,8 @@ def worker_command(args, role: str, port: int, cpus: WorkerPlan) -> list[str]:
         cmd += ["--trust-request-chat-template"]
     if args.tool_call_parser:
         cmd += ["--tool-call-parser", args.tool_call_parser]
+    cmd += ["--grammar-compile-seconds", str(args.grammar_compile_seconds),
+            "--drain-grace-seconds", str(args.drain_grace_seconds)]
     if args.cache_isolation != "none":   # a client going around the orchestrator is isolated too
         cmd += ["--cache-isolation", args.cache_isolation]
     cmd += [f for f, on in (("--disable-log-requests", args.disable_log_requests),

@@ -52,6 +52,8 @@ def add_arguments(p) -> None:
                         "worker and the KV transfer (default %(default)s: off)")
     add_flags(p, ClusterConfig, "--chat-template", "--trust-request-chat-template")
     add_flags(p, ToolParserFlag, "--tool-call-parser")
+    from splitserve.cli import add_worker_flags
+    add_worker_flags(p, "--grammar-compile-seconds", "--drain-grace-seconds")
     p.add_argument("--start-timeout", type=float, default=600.0)
     p.add_argument("--max-in-flight", type=int, default=ClusterConfig.max_in_flight,
                    help="requests served at once; past it, 503 with Retry-After at once "

@@ -28,7 +28,8 @@ ALLOWED = {
         "tokenizer and chat template (orchestrator/prompt_tokens.py), never the weights: "
         "model/loader.py loads no torch, so neither does the orchestrator",
     ("orchestrator.up_args", "cli"): "`splitserve up` takes the --api-key and "
-        "--cache-isolation flags of serve and orchestrator (cli.add_api_key_arguments)",
+        "--cache-isolation flags of serve and orchestrator (cli.add_api_key_arguments), and "
+        "worker flags it passes on (cli.add_worker_flags)",
     ("server", "model.loader"): "the front-end tokenizes and renders chat templates; the "
         "weights load in the engine process only",
     ("server.engine_process", "engine.process"): "the engine process's entry point, imported "
