@@ -114,9 +114,11 @@ class _Response:
     def __init__(self, request: CompletionRequest | ChatCompletionRequest, model: str, *,
                  token_text: TokenText | None = None, echo: Sequence[EchoPrompt] = (),
                  request_id: str | None = None, created: int | None = None,
-                 tool_parser: ToolParser | None = None):
+                 tool_parser: ToolParser | None = None, tool_prefix: str = ""):
         self.chat = isinstance(request, ChatCompletionRequest)
         self.tool_parser = tool_parser if self.chat else None   # tool calls are parsed
+        # A continued stream's: the text the client was sent before (a call may be open)
+        self.tool_prefix = tool_prefix
         self.id = request_id or response_id(self.chat)
         self.created = int(time.time()) if created is None else created
         self.model = model
@@ -281,6 +283,7 @@ class StreamEncoder(_Response):
         tools = self._tools.get(index)
         if tools is None:
             tools = self._tools[index] = ToolDeltas(self.tool_parser)
+            tools.feed(self.tool_prefix)   # parsed as before, its deltas already sent
         done = delta.finish_reason is not None
         deltas = tools.feed(text) + (tools.finish() if done else [])
         logprobs = None

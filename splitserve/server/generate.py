@@ -173,6 +173,11 @@ class GenerateHandlers:
         prompts = [r.prompt for r in requests]
         kwargs = dict(token_text=self.server.token_text, echo=echo,
                       request_id=requests[0].request_id, tool_parser=self._tool_parser(req))
+        resumed = requests[0].resumed
+        if kwargs["tool_parser"] is not None and resumed is not None:
+            # a stream continued on this worker: its tool calls read on from the text so far
+            kwargs["tool_prefix"] = await self.server.in_pool(
+                lambda: self.server.tokenizer.decode(resumed.array))
         deltas = self._merged(requests)
         if echo is ECHO_BACK:
             deltas, echo = await echo_back(deltas, self.server)

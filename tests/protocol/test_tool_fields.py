@@ -192,3 +192,31 @@ def test_the_parser_flag_on_serve_and_up():
     assert cmd[cmd.index("--tool-call-parser") + 1] == "llama3_json"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--tool-call-parser", "pythonic"])
+
+
+@pytest.mark.parametrize("cut", [5, 40, len(ANSWER) // 2, 95])
+def test_a_stream_continued_mid_call_reads_its_calls_on_from_the_text_so_far(cut):
+    """A stream moved to another worker at any point (a GEN drained or died mid-call): the
+    second worker's encoder is given the text already sent and parses on from there, so the
+    client sees the same calls, numbered on, and no text twice."""
+    def events(enc, parts):
+        return [json.loads(e[len(b"data: "):]) for d in parts
+                for e in enc.chunk(d).split(b"\n\n") if e]
+    req = request(tools=[WEATHER, NOW], stream=True)
+    head = [CompletionDelta("r", 0, [1], ANSWER[:cut], num_prompt_tokens=5)]
+    tail = [CompletionDelta("r", 0, [1], ANSWER[cut:], finish_reason=0)]
+    first = events(StreamEncoder(req, "m", tool_parser=HERMES), head)
+    second = events(StreamEncoder(req, "m", tool_parser=HERMES, tool_prefix=ANSWER[:cut]), tail)
+    choices = [e["choices"][0] for e in first + second[1:]]     # the role chunk once
+    calls = {}
+    for c in choices:
+        for part in c["delta"].get("tool_calls", ()):
+            call = calls.setdefault(part["index"], {"name": None, "arguments": ""})
+            if "id" in part:
+                assert call["name"] is None
+                call["name"] = part["function"]["name"]
+            call["arguments"] += part["function"]["arguments"]
+    assert calls == {0: {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                     1: {"name": "now", "arguments": "{}"}}
+    assert not any(c["delta"].get("content") for c in choices[1:])
+    assert choices[-1]["finish_reason"] == "tool_calls"
