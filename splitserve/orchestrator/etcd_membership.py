@@ -110,6 +110,10 @@ class EtcdMembership:
         """The registration API: the members may be listed; joining is etcd's (409)."""
         if (method, path) in (("GET", PATHS[0]), ("HEAD", PATHS[0])):
             return 200, orjson.dumps({"object": "list", "data": self.current.listing()})
+        if path == PATHS[2]:
+            return 409, error_body("this cluster's members are in etcd, where a worker's role "
+                                   "is in the record it signs: the planner cannot move it "
+                                   "between pools here", "invalid_request_error")
         return 409, error_body(f"this cluster's members are in etcd: start the worker with "
                                f"--membership etcd://.../{self.target.prefix.lstrip('/')}",
                                "invalid_request_error")

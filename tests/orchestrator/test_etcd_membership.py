@@ -147,6 +147,8 @@ def test_the_backend_lists_members_refuses_joins_and_reports_etcd_down():
     assert status == 200 and orjson.loads(body)["data"] == heard[0]
     status, body = asyncio.run(membership.call("POST", "/internal/workers", b"{}"))
     assert status == 409 and "--membership etcd://" in orjson.loads(body)["error"]["message"]
+    status, body = asyncio.run(membership.call("POST", "/internal/workers/role", b"{}"))
+    assert status == 409 and "cannot move it" in orjson.loads(body)["error"]["message"]
 
     health = membership.health()
     assert health["connected"] is False and health["problem"] == "not read yet"
