@@ -46,9 +46,13 @@ _lib = _kernel()
 
 
 def _address(buffer) -> tuple[int, int]:
-    """(address, bytes) of a contiguous buffer (a memoryview, a ZeroMQ frame's buffer)."""
-    array = np.frombuffer(buffer, dtype=np.uint8)
-    return array.ctypes.data, array.size
+    """(address, bytes) of a contiguous buffer (a memoryview, a ZeroMQ frame's buffer). A
+    writable one (frames, the cache) through ctypes, several times cheaper than numpy's."""
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(buffer)), memoryview(buffer).nbytes
+    except (TypeError, ValueError):   # read-only, or empty
+        array = np.frombuffer(buffer, dtype=np.uint8)
+        return array.ctypes.data, array.size
 
 
 def _fmix(k: int) -> int:
