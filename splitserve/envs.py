@@ -92,6 +92,16 @@ def kernel_cache() -> str:
         os.path.expanduser("~"), ".cache", "splitserve", "kernels")
 
 
+KV_FAULTS = "SPLITSERVE_KV_FAULTS"
+
+
+def kv_faults() -> str | None:
+    """SPLITSERVE_KV_FAULTS: a directory from which the KV transports' serving side takes
+    faults to inject into the pulls it answers (kv/faults.py), for fault campaigns
+    (`splitserve bench chaos`). Unset (the default): no fault is ever injected."""
+    return os.environ.get(KV_FAULTS) or None
+
+
 def kernel_march() -> str:
     """SPLITSERVE_KERNEL_MARCH: the -march the C kernels are built for (default native, this
     CPU; e.g. haswell gives AVX2 code on an AVX-512 machine, to measure what an AVX2 one gets)."""

@@ -4,25 +4,81 @@ checks each block it received against it before the pull counts as done.
 A mismatch (a flipped bit on the wire, a NIC or a buffer that corrupted a block in flight)
 fails the pull like any other failed pull: the request's blocks are freed, never decoded and
 never entered in the prefix cache, and the orchestrator's retry prefills again. The sum is
-xxh3_64 (the fastest of xxh3_64, crc32c, xxh64, xxh32 and zlib.crc32 measured on this
-project's machines; docs/benchmarks.md has the cost), 8 little-endian bytes per block in the
-reply. Both ends run it on the KV transport's threads, never on an event loop. The CTX sums
-a lease's blocks on a thread of its own as the lease starts (LeaseSums), so the pull, which
-comes after the orchestrator's hop to a GEN, usually finds them ready.
+the C kernel kernels/kvsum.c (a Fletcher sum in sixteen 64-bit lanes folded into 64 bits; 8
+little-endian bytes per block in the reply): its GEN side copies a frame into its block and
+sums it in the same pass, so the block crosses memory once, and as a ctypes call it
+releases the GIL, so neither end's summing stalls the process's other threads. Where the C
+kernels cannot be built (no compiler, SPLITSERVE_NATIVE_KERNELS=0) `reference_sum`, the same
+sum in numpy, computes it: both ends always agree. docs/tuning.md has why this sum, what it
+detects and what it costs. Both ends run it on the KV transport's threads, never on an event
+loop. The CTX sums a lease's blocks on a thread of its own as the lease starts (LeaseSums),
+so the pull, which comes after the orchestrator's hop to a GEN, usually finds them ready.
 """
 
 from __future__ import annotations
 
+import ctypes
 import queue
 import threading
 from typing import Callable, Iterable
 
 import numpy as np
-import xxhash
+import torch
 
+from splitserve.kernels import build
 from splitserve.kv.sockets import BadReply
 
 SUM_BYTES = 8   # per block, in PullReply.block_sums
+LANES = 16      # 32-bit words of a step, one per lane (kvsum.c)
+_MASK = (1 << 64) - 1
+
+
+def _kernel() -> ctypes.CDLL | None:
+    lib = build.load("kvsum")
+    if lib is not None:
+        lib.kv_sum.restype = lib.kv_copy_sum.restype = ctypes.c_uint64
+        lib.kv_sum.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        lib.kv_copy_sum.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+    return lib
+
+
+_lib = _kernel()
+
+
+def _address(buffer) -> tuple[int, int]:
+    """(address, bytes) of a contiguous buffer (a memoryview, a ZeroMQ frame's buffer). A
+    writable one (frames, the cache) through ctypes, several times cheaper than numpy's."""
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(buffer)), memoryview(buffer).nbytes
+    except (TypeError, ValueError):   # read-only, or empty
+        array = np.frombuffer(buffer, dtype=np.uint8)
+        return array.ctypes.data, array.size
+
+
+def _fmix(k: int) -> int:
+    """MurmurHash3's 64-bit finalizer, as kvsum.c's fmix."""
+    k ^= k >> 33
+    k = (k * 0xFF51AFD7ED558CCD) & _MASK
+    k ^= k >> 33
+    k = (k * 0xC4CEB9FE1A85EC53) & _MASK
+    return k ^ (k >> 33)
+
+
+def reference_sum(block) -> int:
+    """kvsum.c's sum in numpy: the block zero-padded to whole steps of sixteen little-endian
+    32-bit words; lane l's A is the sum of its words, B the sum of A after each step (so
+    word i of s steps counts s - i times), both mod 2^64; then the length, the sixteen A and
+    the sixteen B folded in through _fmix."""
+    data = np.frombuffer(block, dtype=np.uint8)
+    n = data.size
+    if n % (4 * LANES):
+        data = np.concatenate([data, np.zeros(-n % (4 * LANES), dtype=np.uint8)])
+    words = data.view("<u4").reshape(-1, LANES).astype(np.uint64)
+    weights = np.arange(len(words), 0, -1, dtype=np.uint64)
+    h = _fmix(n)
+    for acc in [*words.sum(axis=0).tolist(), *(weights @ words).tolist()]:
+        h = _fmix(h ^ acc)
+    return h
 
 
 class ChecksumMismatch(BadReply):
@@ -31,8 +87,10 @@ class ChecksumMismatch(BadReply):
 
 
 def block_sum(block) -> int:
-    """xxh3_64 of one block's bytes (any buffer: a memoryview, a ZeroMQ frame's buffer)."""
-    return xxhash.xxh3_64_intdigest(block)
+    """The sum of one block's bytes (any buffer: a memoryview, a ZeroMQ frame's buffer)."""
+    if _lib is None:
+        return reference_sum(block)
+    return _lib.kv_sum(*_address(block))
 
 
 def block_sums(blocks: Iterable) -> bytes:
@@ -50,8 +108,26 @@ def expected_sums(sums: bytes, count: int) -> list[int]:
 
 def check_block(index: int, block, want: int) -> None:
     if block_sum(block) != want:
-        raise ChecksumMismatch(f"KV block {index} arrived corrupted (its checksum is not the "
-                               f"context worker's)")
+        _mismatch(index)
+
+
+def receive_block(platform, index: int, frame, block: torch.Tensor, want: int) -> None:
+    """GEN: writes a frame of exactly block.numel() bytes into its block; ChecksumMismatch
+    (the block may be written) unless the frame's sum is `want`. A CPU block takes the copy
+    and the sum in one pass; another is summed first, then staged by the platform."""
+    if _lib is not None and block.device.type == "cpu":
+        got = _lib.kv_copy_sum(block.data_ptr(), *_address(frame))
+    else:
+        got = block_sum(frame)
+        if got == want:
+            platform.host_to_block(frame, block)
+    if got != want:
+        _mismatch(index)
+
+
+def _mismatch(index: int):
+    raise ChecksumMismatch(f"KV block {index} arrived corrupted (its checksum is not the "
+                           f"context worker's)")
 
 
 class LeaseSums:

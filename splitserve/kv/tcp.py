@@ -6,8 +6,8 @@ lease), or on a GPU a copy of the blocks in pinned host memory (the platform's
 blocks_to_host); the reply carries each block's checksum (summed as the lease started).
 GEN: checks that the offer is exactly its blocks (count, checksums, and each frame exactly
 one block's bytes; its socket refuses larger frames) and only then copies each frame into
-its own blocks, checking its checksum as it goes (the frame is summed just before its copy,
-while it is in cache; on a GPU the copies go through pinned staging buffers, in flight while
+its own blocks, checking its checksum as it goes (on a CPU the copy sums the frame in the same
+pass; on a GPU the frame is summed, then copied through pinned staging buffers, in flight while
 the next frame is read): a corrupted block fails the pull. The conversation itself is
 kv.zmq_pull's.
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from splitserve.kv.base import register
-from splitserve.kv.checksums import SUM_BYTES, check_block, expected_sums
+from splitserve.kv.checksums import SUM_BYTES, expected_sums, receive_block
 from splitserve.kv.messages import MAX_REPLY_BYTES, TcpPullReply
 from splitserve.kv.sockets import BadReply
 from splitserve.kv.zmq_pull import ZmqPullTransport
@@ -48,7 +48,6 @@ class TcpTransport(ZmqPullTransport):
                 raise BadReply(f"KV block frame {i} holds {len(frame)} bytes, expected {size}")
         sums = expected_sums(reply.block_sums, len(dst))
         for i, (block, frame, want) in enumerate(zip(dst.tolist(), frames, sums)):
-            check_block(i, frame.buffer, want)
-            self.platform.host_to_block(frame.buffer, self.block_bytes(block))
+            receive_block(self.platform, i, frame.buffer, self.block_bytes(block), want)
         self.platform.finish_transfers()
         return len(dst) * size

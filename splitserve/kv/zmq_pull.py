@@ -8,7 +8,8 @@ side by side across CTXs; each is request, reply, checks, the subclass's `_recei
 bytes into local blocks, ack. A PullRequest may skip the lease's first blocks (the GEN has
 them) and ask for the prompt's int32 ids, which follow the blocks as one more frame. A reply
 is checked whole before a byte is copied: a wrong one fails its pull and writes nothing. Given the cluster's secret, both sides speak CURVE
-(kv/curve.py); without it the channel is plaintext.
+(kv/curve.py); without it the channel is plaintext. With SPLITSERVE_KV_FAULTS set (fault
+campaigns only) the CTX's answers take the faults armed there (kv/faults.py).
 """
 
 from __future__ import annotations
@@ -24,9 +25,11 @@ import numpy as np
 import torch
 import zmq
 
+from splitserve import envs
 from splitserve.kv.base import KVTransport, LeaseView, PullResult, check_pull
 from splitserve.kv.checksums import LeaseSums
 from splitserve.kv.curve import CurveKeys, ZapHandler
+from splitserve.kv.faults import FaultPlan
 from splitserve.kv.messages import MAX_REQUEST_BYTES, PullAck, PullRequest
 from splitserve.kv.pull_pool import Job, PullPool
 from splitserve.kv.sockets import (BadReply, Peer, PullRefused, Throttled, close_monitored,
@@ -63,6 +66,9 @@ class ZmqPullTransport(KVTransport):
         # The block's bytes on the host: the cache's own on a CPU, a copy from a GPU.
         self.lease_sums = LeaseSums(
             lambda b: self.platform.blocks_to_host([self.block_bytes(b)])[0], self.name)
+        # Faults injected into the answers, for fault campaigns only (off: None).
+        fault_dir = envs.kv_faults()
+        self.faults = FaultPlan(fault_dir, self.name) if fault_dir else None
 
     @abc.abstractmethod
     def _offer(self, ctx_request_id: str, blocks: np.ndarray) -> tuple[msgspec.Struct, list]:
@@ -151,6 +157,8 @@ class ZmqPullTransport(KVTransport):
             return [msgspec.msgpack.encode(self.reply_type(ctx_request_id=msg.ctx_request_id,
                                                            error=error))]
         reply, frames = self._offer(msg.ctx_request_id, blocks)
+        if self.faults is not None and reply.error is None:
+            frames = self.faults.strike(frames)
         if tokens is not None and reply.error is None:   # the lease's array: never written
             reply.prompt_bytes = tokens.nbytes
             frames = [*frames, memoryview(np.ascontiguousarray(tokens, dtype="<i4"))]

@@ -4,7 +4,9 @@ mix, and each way a request can end is told apart from the bytes a server sent."
 import io
 import json
 
-from splitserve.bench.chaos.faults import CLIENT_CUT, SIGNALS, TARGETS, draw_schedule
+from splitserve.bench.chaos.faults import (CLIENT_CUT, EXPIRY_MARGIN, SIGNALS, TARGETS,
+                                           draw_schedule)
+from splitserve.kv.faults import KINDS as KV_KINDS
 from splitserve.bench.chaos.workload import _streamed, _whole, request_pool
 
 
@@ -22,6 +24,24 @@ def test_faults_cover_every_signal_and_target_over_a_campaign():
     for k in range(50):
         faults = draw_schedule(0, k, 16, 8, 2.0, 3).faults
         assert 1 <= len(faults) <= 3 and [f.at for f in faults] == sorted(f.at for f in faults)
+
+
+def test_kv_faults_come_on_top_of_the_same_other_faults():
+    for k in range(50):
+        without = draw_schedule(3, k, 16, 8, 2.0, 3)
+        with_kv = draw_schedule(3, k, 16, 8, 2.0, 3, most_kv_faults=2, lease=3.0)
+        assert with_kv.picks == without.picks and with_kv.starts == without.starts
+        assert [f for f in with_kv.faults if not f.is_kv] == without.faults
+        kv = [f for f in with_kv.faults if f.is_kv]
+        assert len(kv) <= 2 and all(0 <= f.at <= 2.0 for f in kv)
+        assert [f.at for f in with_kv.faults] == sorted(f.at for f in with_kv.faults)
+        for f in kv:   # an expiry waits past the lease; a delay 0.2-2 s; the others none
+            want = {"kv_lease_expiry": (3.0 + EXPIRY_MARGIN,) * 2,
+                    "kv_delay": (0.2, 2.0)}.get(f.kind, (0.0, 0.0))
+            assert want[0] <= f.pause <= want[1], f
+    kinds = {f.kind for k in range(200)
+             for f in draw_schedule(0, k, 16, 8, 2.0, 3, 2).faults if f.is_kv}
+    assert kinds == set(KV_KINDS)
 
 
 def test_the_pool_mixes_every_kind_of_request():

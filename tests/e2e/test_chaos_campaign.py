@@ -1,5 +1,6 @@
 """`splitserve bench chaos`: a small fixed-seed campaign against a real cluster (two CTX,
-two GEN with two front-ends each, two orchestrator processes) holds every invariant."""
+two GEN with two front-ends each, two orchestrator processes), KV transfer faults among its
+faults, holds every invariant."""
 
 import json
 import subprocess
@@ -20,3 +21,10 @@ def test_a_fixed_seed_campaign_holds_every_invariant(tmp_path):
     # worker, SIGTERM of a GEN worker, two client disconnects (a fault whose target is
     # down at its moment, restarting after an earlier one, is not injected)
     assert sum(result["faults_injected"].values()) >= 4, result
+    # ... and 4 KV faults: a reordered and a duplicated frame in schedule 0, a delayed answer
+    # and a duplicated frame in schedule 1, each taken by the next pull a CTX answers after
+    # its moment, or left for none (armed after the schedule's last pull)
+    kv = {k: n for k, n in result["faults_injected"].items() if k.startswith("kv_")}
+    assert set(kv) <= {"kv_reorder", "kv_duplicate", "kv_delay"}, result
+    assert sum(kv.values()) + result["kv_faults_not_struck"] == 4, result
+    assert sum(kv.values()) >= 1, result   # the delay at 0.134 s, before 5 requests start

@@ -2,13 +2,20 @@
 nixl, real transports on loopback); nothing of it is decoded, its blocks are freed, and a
 fresh prefill pulled again (what the orchestrator's retry does) gives the uninterrupted text."""
 
+import ctypes
+
 import numpy as np
 import pytest
+import torch
 
 from splitserve.engine.request import FinishReason
-from splitserve.kv.checksums import (ChecksumMismatch, LeaseSums, block_sums, check_block,
-                                     expected_sums)
+from splitserve.kernels import build
+from splitserve.kv import checksums
+from splitserve.kv.checksums import (ChecksumMismatch, LeaseSums, block_sum, block_sums,
+                                     check_block, expected_sums, receive_block,
+                                     reference_sum)
 from splitserve.kv.sockets import BadReply
+from splitserve.platforms import platform_for
 
 from splitserve.protocol.engine import RemotePrefill
 
@@ -107,3 +114,88 @@ def test_lease_sums_are_the_blocks_sums_whether_summed_ahead_or_at_the_offer():
     sums.close()
     sums.thread.join(timeout=5)
     assert not sums.thread.is_alive()
+
+
+def _kernel_for(march: str):
+    lib = build.build_for("kvsum", march)
+    if lib is None:
+        pytest.skip("the C kernels cannot be built here")
+    lib.kv_sum.restype = lib.kv_copy_sum.restype = ctypes.c_uint64
+    lib.kv_sum.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    lib.kv_copy_sum.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+    return lib
+
+
+# SSE2 vectors (core2), AVX2 (haswell), and this machine's own: AVX-512 where it has it.
+MARCHES = ["native", "haswell", "core2"]
+
+
+@pytest.mark.parametrize("march", MARCHES)
+def test_the_kernel_gives_the_reference_sum_and_copies_exactly_on_every_target(march):
+    if build._cpu_flags() and "avx2" not in build._cpu_flags().split() and march == "haswell":
+        pytest.skip("no AVX2 here")
+    lib = _kernel_for(march)
+    rng = np.random.default_rng(7)
+    for n in (0, 1, 7, 63, 64, 65, 200, 4096, 368_640, 368_641):
+        src = rng.integers(0, 256, n, dtype=np.uint8)
+        dst = np.zeros(n + 1, dtype=np.uint8)   # one guard byte past the block
+        want = reference_sum(src)
+        assert lib.kv_sum(src.ctypes.data, n) == want, n
+        assert lib.kv_copy_sum(dst.ctypes.data, src.ctypes.data, n) == want, n
+        assert np.array_equal(dst[:n], src) and dst[n] == 0, n
+
+
+def test_the_sum_of_a_block_is_the_kernels_and_the_references():
+    block = np.random.default_rng(1).integers(0, 256, 1000, dtype=np.uint8)
+    assert block_sum(memoryview(block)) == reference_sum(block)
+    assert reference_sum(b"") != reference_sum(bytes(64))   # the length counts
+
+
+def test_checksums_catch_two_flipped_bits_of_one_lane_at_any_distance():
+    # A Fletcher sum of whole 64-bit words kept mod 2^64 misses a top bit cleared in one
+    # step and set in another an even number of steps later (its B moves by 2^63 * distance);
+    # in 32-bit words with 64-bit accumulators B moves by 2^31 * distance, never 0.
+    block = np.zeros(64 * 70, dtype=np.uint8)
+    block[3] = 0x80                     # lane 0's top bit, step 0
+    want = block_sum(block)
+    for lane_byte in (3, 7, 63):        # the top byte of lanes 0, 1 and 15
+        for distance in (1, 2, 4, 32, 64):
+            bad = block.copy()
+            bad[3] = 0
+            bad[64 * distance + lane_byte] ^= 0x80
+            assert block_sum(bad) != want, (lane_byte, distance)
+
+
+def test_checksums_catch_any_burst_of_up_to_a_thousand_bits():
+    rng = np.random.default_rng(3)
+    block = rng.integers(0, 256, 368_640, dtype=np.uint8)
+    want = block_sum(block)
+    for _ in range(300):
+        bits = int(rng.integers(1, 993))
+        start = int(rng.integers(0, 8 * block.size - bits))
+        flip = np.zeros(8 * block.size, dtype=np.uint8)
+        flip[start] = flip[start + bits - 1] = 1          # a burst's ends flip, the rest at random
+        flip[start + 1:start + bits - 1] = rng.integers(0, 2, max(bits - 2, 0))
+        assert block_sum(block ^ np.packbits(flip, bitorder="little")) != want
+
+
+def test_receive_block_copies_the_frame_and_refuses_a_wrong_sum():
+    frame = np.random.default_rng(2).integers(0, 256, 4096, dtype=np.uint8)
+    block = torch.zeros(4096, dtype=torch.uint8)
+    cpu = platform_for("cpu")
+    receive_block(cpu, 4, memoryview(frame), block, reference_sum(frame))
+    assert np.array_equal(block.numpy(), frame)
+    with pytest.raises(ChecksumMismatch, match="KV block 4 arrived corrupted"):
+        receive_block(cpu, 4, memoryview(frame), torch.zeros(4096, dtype=torch.uint8),
+                      reference_sum(frame) ^ 1)
+
+
+def test_without_the_c_kernels_the_sums_are_the_same(monkeypatch):
+    block = np.random.default_rng(4).integers(0, 256, 5000, dtype=np.uint8)
+    want = block_sum(block)
+
+    monkeypatch.setattr(checksums, "_lib", None)
+    assert block_sum(block) == want
+    dst = torch.zeros(5000, dtype=torch.uint8)
+    receive_block(platform_for("cpu"), 0, memoryview(block), dst, want)
+    assert np.array_equal(dst.numpy(), block)

@@ -38,6 +38,7 @@ ALLOWED = {
     ("engine", "kv"): "and moves its KV blocks",
     ("engine", "kernels"): "engine/process.py builds the C kernels before the model loads",
     ("kv", "model.config"): "a KV layout's fingerprint is the model's shape",
+    ("kv.checksums", "kernels"): "the KV blocks' checksums are a C kernel (kernels/kvsum.c)",
     ("model", "kernels"): "the model's C kernels",
     ("config", "kv"): "a KV transport's name is checked against kv/__init__.py's registry",
     ("config", "model.quant"): "whether this torch can run a quantization, asked only when "

@@ -10,13 +10,16 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from splitserve import envs
 from splitserve.orchestrator.up import free_ports
 
 
@@ -108,17 +111,19 @@ def worker_busy(url: str) -> float | None:
 
 class ChaosCluster:
     """`up` started on free ports, whole (every worker joined) on return; close() kills
-    everything it started, orphans included."""
+    everything it started, orphans included. Its KV transports take the faults armed in
+    `fault_dir` (a directory of its own, removed on close)."""
 
     def __init__(self, shape: Shape, log, timeout: float = 300.0):
         self.shape = shape
         ports = free_ports(20000 + os.getpid() % 20000, 1)
         self.port = ports[0]
         self.url = f"http://127.0.0.1:{self.port}"
+        self.fault_dir = tempfile.mkdtemp(prefix="splitserve-kv-faults-")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "splitserve.cli", "--log-level", "WARNING", "up",
              *shape.up_args(), "--port", str(self.port)], stdout=log, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL)
+            stdin=subprocess.DEVNULL, env=dict(os.environ, **{envs.KV_FAULTS: self.fault_dir}))
         if self.wait_whole(timeout):
             return
         self.close()
@@ -212,6 +217,7 @@ class ChaosCluster:
                 self.proc.wait()
         for pid in family:
             _signal(pid, signal.SIGKILL)
+        shutil.rmtree(self.fault_dir, ignore_errors=True)
 
     def _all(self) -> list[int]:
         out, todo = [], [self.proc.pid]

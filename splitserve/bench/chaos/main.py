@@ -5,7 +5,8 @@ front-ends, a fleet of orchestrator processes) serves every schedule. First each
 of the pool (workload.py, drawn from --seed) runs once without faults: its clean text.
 Then each schedule K (its own generator, from seed and K, so `--schedule K` replays it)
 sends a draw of the pool's requests at random moments while injecting faults
-(faults.py) at random moments, and checks:
+(faults.py: signals to processes, client disconnects, and KV transfer faults armed for the
+CTX workers' KV transports) at random moments, and checks:
 
 1. every request ended with its clean text, or with a clear error, within its deadline
    (one that broke when a fault ended an orchestrator process while it was open, or at
@@ -18,7 +19,8 @@ sends a draw of the pool's requests at random moments while injecting faults
 
 Exit status 0 only if every check of every schedule held. The JSON result: seed,
 schedules, requests, outcomes, errors (the clear errors clients got, by message),
-faults_injected by kind, violations (each with the seed and schedule that replay it),
+faults_injected by kind, kv_faults_not_struck (armed, but no pull came for them before the
+schedule's requests ended), violations (each with the seed and schedule that replay it),
 seconds, shape, machine.
 """
 
@@ -34,6 +36,7 @@ from collections import Counter
 from splitserve.bench.chaos.cluster import ChaosCluster, Shape
 from splitserve.bench.chaos.faults import CLIENT_CUT, ENDS_CONNECTIONS, draw_schedule, inject
 from splitserve.bench.chaos.workload import Call, request_pool
+from splitserve.kv import faults as kv_faults
 
 DEADLINE = 60.0          # seconds a request may take, faults included
 SETTLE = 90.0            # seconds for KV to free and processes to come back after a schedule
@@ -51,6 +54,8 @@ def add_arguments(p) -> None:
     p.add_argument("--requests", type=int, default=8, help="requests per schedule")
     p.add_argument("--faults", type=int, default=3, help="at most this many faults per "
                    "schedule (at least one)")
+    p.add_argument("--kv-faults", type=int, default=2, help="at most this many KV transfer "
+                   "faults per schedule, besides --faults (0: none)")
     p.add_argument("--span", type=float, default=2.0, help="seconds over which a schedule's "
                    "requests start and its faults strike")
     p.add_argument("--num-ctx", type=int, default=Shape.num_ctx)
@@ -106,6 +111,7 @@ class Campaign:
         self.outcomes: Counter = Counter()
         self.errors: Counter = Counter()     # the clear errors clients got, by message
         self.violations: list[dict] = []
+        self.kv_not_struck = 0               # KV faults armed that no pull came to take
 
     def run(self, indices) -> dict:
         for k in indices:
@@ -114,6 +120,7 @@ class Campaign:
                 "requests": sum(self.outcomes.values()), "outcomes": dict(self.outcomes),
                 "errors": dict(self.errors.most_common()),
                 "faults_injected": dict(sorted(self.faults.items())),
+                "kv_faults_not_struck": self.kv_not_struck,
                 "violations": self.violations}
 
     def violation(self, k: int, what: str, **more) -> None:
@@ -123,17 +130,22 @@ class Campaign:
 
     def schedule(self, k: int) -> None:
         a = self.args
-        s = draw_schedule(a.seed, k, len(self.pool), a.requests, a.span, a.faults)
+        s = draw_schedule(a.seed, k, len(self.pool), a.requests, a.span, a.faults,
+                          a.kv_faults, self.cluster.shape.lease_seconds)
         calls = [Call(self.cluster.port, self.pool[i], DEADLINE) for i in s.picks]
-        ended = self._play(calls, s.starts, s.faults)
+        ended = self._play(k, calls, s.starts, s.faults)
         for call, i in zip(calls, s.picks):
             self._check_request(k, call, i, ended)
+        struck, unused = kv_faults.collect(self.cluster.fault_dir)
+        self.faults.update(struck)
+        self.kv_not_struck += unused
         self._check_settled(k)
 
-    def _play(self, calls: list[Call], starts: list[float],
+    def _play(self, k: int, calls: list[Call], starts: list[float],
               faults: list) -> list[float]:
-        """Starts the calls and injects the faults, each at its moment; the moments at
-        which a fault ended an orchestrator process."""
+        """Starts the calls and injects the faults, each at its moment (a KV fault is armed
+        then and counted once a pull took it); the moments at which a fault ended an
+        orchestrator process."""
         t0, ended = time.monotonic(), []
         events = sorted([(s, 0, c) for s, c in zip(starts, calls)] +
                         [(f.at, 1, f) for f in faults], key=lambda e: (e[0], e[1]))
@@ -141,6 +153,9 @@ class Campaign:
             time.sleep(max(0.0, t0 + at - time.monotonic()))
             if not is_fault:
                 what.start()
+            elif what.is_kv:
+                kv_faults.arm(self.cluster.fault_dir, f"{k}-{at:.3f}-{what.kind}", what.kind,
+                              what.pick, what.pause)
             elif what.kind == CLIENT_CUT:
                 calls[int(what.pick * len(calls))].cut()
                 self.faults[what.kind] += 1
