@@ -22,8 +22,8 @@ STATS_INTERVAL = 10.0   # seconds between two throughput lines (vLLM's interval)
 def log_finished(prefix: str, request, status: int, started: float, via: str = "") -> None:
     """The line of a finished request. request.outcome (set by the handler), when there is
     one, gives its tokens and TTFT; via: how it was served (the orchestrator's route)."""
-    if request.method != "POST":
-        return
+    if request.method != "POST" or not logger.isEnabledFor(logging.INFO):
+        return      # (nothing built for a line that would not be written)
     out = request.outcome
     tokens = ("" if out is None else
               ", prompt %d tokens, completion %d tokens, TTFT %s" % (
