@@ -50,7 +50,7 @@ def test_held_requests_cycle_through_lengths_around_max_tokens():
 
 def test_raw_client_reads_chunked_and_sized_answers_and_stamps_the_write(monkeypatch):
     from splitserve.httpd.client import HTTPConnection
-    monkeypatch.delenv("SPLITSERVE_INTERNAL_SECRET")    # a plain server: no challenge
+    monkeypatch.delenv("SPLITSERVE_INTERNAL_SECRET", raising=False)   # a plain server: no challenge
     seen = []
 
     async def serve(reader, writer):

@@ -357,8 +357,9 @@ def test_server_deltas_and_bucket_quantiles():
     assert h["p50_ms"] == pytest.approx(100) and h["p99_ms"] == pytest.approx(982)
     assert d["counters"] == {"y_total": 100}
     assert metrics.parse_slo("ttft=0.5, tpot=0.05") == {"ttft": 0.5, "tpot": 0.05}
+    assert metrics.parse_slo("itl=0.2") == {"itl": 0.2}     # every gap of a request
     with pytest.raises(ValueError, match="--slo"):
-        metrics.parse_slo("itl=1")
+        metrics.parse_slo("speed=1")
 
 
 # -- plots ------------------------------------------------------------------------------------
