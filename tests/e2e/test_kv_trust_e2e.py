@@ -139,14 +139,19 @@ def worker_commands(pid):
     return out
 
 
-def test_up_gives_its_gens_the_ctx_kv_endpoints_as_peers(monkeypatch):
+def test_up_gives_every_worker_every_kv_endpoint_as_peers(monkeypatch):
+    """A role only labels a worker (the planner moves workers between the pools, a draining
+    GEN's KV is pulled by another GEN), so each worker may pull from every other: each has a
+    fixed KV port, and every one is in each worker's --kv-peers, and no other endpoint."""
     up = UpCluster(*MODEL, "--num-ctx", "2")
     try:
         cmds = worker_commands(up.proc.pid)
-        kv_ports = sorted(int(a[a.index("--kv-port") + 1]) for a in cmds["ctx"])
+        argvs = cmds["ctx"] + cmds["gen"]
+        kv_ports = sorted(int(a[a.index("--kv-port") + 1]) for a in argvs)
+        for argv in argvs:
+            peers = argv[argv.index("--kv-peers") + 1].split(",")
+            assert sorted(peers) == sorted(f"tcp://127.0.0.1:{p}" for p in kv_ports)
         (gen_argv,) = cmds["gen"]
-        peers = gen_argv[gen_argv.index("--kv-peers") + 1].split(",")
-        assert sorted(peers) == [f"tcp://127.0.0.1:{p}" for p in kv_ports]
         gen_url = f"http://127.0.0.1:{gen_argv[gen_argv.index('--port') + 1]}"
         _, want = post(gen_url + "/v1/completions", COMPLETION)
         for _ in range(2):   # through whichever CTX the router picks: its KV port is a peer
