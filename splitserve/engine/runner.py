@@ -105,5 +105,8 @@ class ModelRunner:
                 end = min(start + n, req.num_prompt_tokens - 1)
                 prompt_logits[id(req)] = (req, start, self.model.logits(hidden[offset:offset + end - start]))
             offset += n
-        logits = self.model.logits(hidden[rows]) if rows else None
+        # rows rise within the step's tokens: as many as the tokens is all of them in order
+        # (decodes only), and then no index goes to the device
+        sampled = hidden if len(rows) == len(hidden) else hidden[rows]
+        logits = self.model.logits(sampled) if rows else None
         return StepResult(sample_requests, logits, prompt_logits)

@@ -91,3 +91,14 @@ def test_larger_batches_and_prefills_run_eagerly(monkeypatch):
     assert (lps - eager_lps).abs().max().item() < 1e-4
     # Six and five decodes ran eagerly, four and fewer as replays.
     assert {b for b, _ in graphed.engine.runner.graphs.graphs} == {1, 2, 4}
+
+
+def test_a_shape_whose_capture_fails_runs_without_a_graph(monkeypatch, caplog):
+    def refuse(platform, fn):
+        raise RuntimeError("operation not permitted when stream is capturing")
+    eager = _llm(monkeypatch, "torch", graphs=False)
+    graphed = _llm(monkeypatch, "torch", graphs=True)
+    monkeypatch.setattr(CpuPlatform, "capture_graph", refuse)
+    tokens, _ = _decode(graphed, 3)
+    assert tokens == _decode(eager, 3)[0]
+    assert "capturing the decode graph of 4 sequences" in caplog.text
