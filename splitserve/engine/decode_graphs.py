@@ -3,10 +3,11 @@
 A step whose rows are all single tokens (decodes), at most `max_batch` of them, runs as the
 replay of a graph captured for its (batch, width) shape: the batch rounded up to the next
 capture size (1, 2, 4, then every multiple of 8), the block table's width (blocks of the
-longest sequence) up to the next of a few widths per power of two (padded_width). A prefill, a mixed step or a larger batch runs
-eagerly (runner.py). A shape is captured the first time a step needs it, then replayed:
-the torch attention backend gathers whole block tables, so the width is part of the shape,
-and capturing every (batch, width) pair at start would capture hundreds of graphs.
+longest sequence) up to the next of four widths per power of two (padded_width). A prefill,
+a mixed step or a larger batch runs eagerly (runner.py). A shape is captured the first
+time a step needs it, then replayed: the torch attention backend gathers whole block
+tables, so the width is part of the shape, and capturing every (batch, width) pair at
+start would capture hundreds of graphs.
 
 A graph reads its inputs from one static device buffer at fixed addresses. Each step fills
 a host copy of it and sends it in one copy: per row its token id, position, KV slot (block,
@@ -25,7 +26,6 @@ import functools
 import logging
 from typing import Callable
 
-import numpy as np
 import torch
 
 from splitserve.engine.request import Request
@@ -128,7 +128,8 @@ class DecodeGraphs:
             positions[i] = pos
             used = min(len(req.block_ids), width)
             table[i, :used] = req.block_ids[:used]
-            slot_blocks[i], slot_offsets[i] = req.block_ids[pos // self.block_size], pos % self.block_size
+            slot_blocks[i] = req.block_ids[pos // self.block_size]
+            slot_offsets[i] = pos % self.block_size
         n = (ROWS + width) * batch
         self.static[:n].copy_(self.host[:n], non_blocking=True)
 

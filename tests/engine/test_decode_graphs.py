@@ -54,7 +54,8 @@ def _decode(llm: LLM, batch: int):
     params = [SamplingParams(temperature=0, max_tokens=14 - i, logprobs=2, ignore_eos=True)
               for i in range(batch)]
     outs = [c for r in llm.generate(_prompts(batch), params) for c in r.outputs]
-    return [c.token_ids for c in outs], torch.tensor([lp.logprob for c in outs for lp in c.logprobs])
+    logprobs = [lp.logprob for c in outs for lp in c.logprobs]
+    return [c.token_ids for c in outs], torch.tensor(logprobs)
 
 
 @pytest.mark.parametrize("backend", ["torch", "native"])
