@@ -103,3 +103,19 @@ def test_a_shape_whose_capture_fails_runs_without_a_graph(monkeypatch, caplog):
     tokens, _ = _decode(graphed, 3)
     assert tokens == _decode(eager, 3)[0]
     assert "capturing the decode graph of 4 sequences" in caplog.text
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graphs_give_eager_tokens():
+    """The same on a GPU, where the graphs are CUDA graphs (float32: no bfloat16 ties)."""
+    def llm(eager: bool) -> LLM:
+        return LLM("tiny-random", device="cuda", dtype="float32", block_size=4, num_blocks=96,
+                   max_num_batched_tokens=64, max_num_seqs=8, seed=0, enforce_eager=eager)
+    graphed, eager = llm(False), llm(True)
+    assert eager.engine.runner.graphs is None
+    for batch in (1, 3, 5, 8):
+        tokens, lps = _decode(graphed, batch)
+        eager_tokens, eager_lps = _decode(eager, batch)
+        assert tokens == eager_tokens
+        assert (lps - eager_lps).abs().max().item() < 1e-3
+    assert {b for b, _ in graphed.engine.runner.graphs.graphs} == {1, 2, 4, 8}
