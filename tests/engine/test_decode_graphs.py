@@ -58,6 +58,15 @@ def _decode(llm: LLM, batch: int):
     return [c.token_ids for c in outs], torch.tensor(logprobs)
 
 
+def _same_decoding(graphed: LLM, eager: LLM, tolerance: float) -> None:
+    """Decode batches of 1 to 8 (3, 5, 6 and 7 padded up to 4 and 8) give eager tokens."""
+    for batch in (1, 3, 5, 8):
+        tokens, lps = _decode(graphed, batch)
+        eager_tokens, eager_lps = _decode(eager, batch)
+        assert tokens == eager_tokens
+        assert (lps - eager_lps).abs().max().item() < tolerance
+
+
 @pytest.mark.parametrize("backend", ["torch", "native"])
 def test_decode_graphs_give_eager_tokens(monkeypatch, backend):
     """Decode batches of 1 to 8 (3, 5, 6 and 7 padded up to 4 and 8) over 14 steps: the
@@ -66,11 +75,7 @@ def test_decode_graphs_give_eager_tokens(monkeypatch, backend):
     eager = _llm(monkeypatch, backend, graphs=False)
     graphed = _llm(monkeypatch, backend, graphs=True)
     assert eager.engine.runner.graphs is None
-    for batch in (1, 3, 5, 8):
-        tokens, lps = _decode(graphed, batch)
-        eager_tokens, eager_lps = _decode(eager, batch)
-        assert tokens == eager_tokens
-        assert (lps - eager_lps).abs().max().item() < 1e-4
+    _same_decoding(graphed, eager, 1e-4)
     shapes = set(graphed.engine.runner.graphs.graphs)
     assert {b for b, _ in shapes} == {1, 2, 4, 8}
     assert len({w for _, w in shapes}) >= 3
@@ -113,9 +118,5 @@ def test_cuda_graphs_give_eager_tokens():
                    max_num_batched_tokens=64, max_num_seqs=8, seed=0, enforce_eager=eager)
     graphed, eager = llm(False), llm(True)
     assert eager.engine.runner.graphs is None
-    for batch in (1, 3, 5, 8):
-        tokens, lps = _decode(graphed, batch)
-        eager_tokens, eager_lps = _decode(eager, batch)
-        assert tokens == eager_tokens
-        assert (lps - eager_lps).abs().max().item() < 1e-3
+    _same_decoding(graphed, eager, 1e-3)
     assert {b for b, _ in graphed.engine.runner.graphs.graphs} == {1, 2, 4, 8}
