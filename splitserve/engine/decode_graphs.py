@@ -120,16 +120,17 @@ class DecodeGraphs:
         the host: its copy to the device has landed by then."""
         host = self.host.numpy()
         ids, positions, slot_blocks, slot_offsets, table = self._views(host, batch, width)
+        reqs, bs = list(scheduled), self.block_size
+        pos = [r.num_computed_tokens for r in reqs]
         ids[:], positions[:], slot_offsets[:] = 0, 0, 0
         slot_blocks[:], table[:] = self.scratch_block, self.scratch_block
-        for i, req in enumerate(scheduled):
-            pos = req.num_computed_tokens
-            ids[i] = req.token_slice(pos, pos + 1)[0]
-            positions[i] = pos
-            used = min(len(req.block_ids), width)
-            table[i, :used] = req.block_ids[:used]
-            slot_blocks[i] = req.block_ids[pos // self.block_size]
-            slot_offsets[i] = pos % self.block_size
+        ids[:len(reqs)] = [r.token_slice(p, p + 1)[0] for r, p in zip(reqs, pos)]
+        positions[:len(reqs)] = pos
+        slot_blocks[:len(reqs)] = [r.block_ids[p // bs] for r, p in zip(reqs, pos)]
+        slot_offsets[:len(reqs)] = positions[:len(reqs)] % bs
+        for row, req in zip(table, reqs):
+            blocks = req.block_ids[:width]
+            row[:len(blocks)] = blocks
         n = (ROWS + width) * batch
         self.static[:n].copy_(self.host[:n], non_blocking=True)
 
