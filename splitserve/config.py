@@ -135,6 +135,13 @@ class EngineConfig:
         "--gpu-memory-utilization", "fraction of the GPU's memory this worker may use, the KV "
         "cache sized from what the weights leave (device cuda only; default: --kv-cache-gib)",
         metavar="FRACTION"))
+    # vLLM's names. Graphs only where the platform captures them (platforms/: cuda).
+    enforce_eager: bool = field(default=False, metadata=flag(
+        "--enforce-eager", "run every step eagerly: no CUDA graphs for decode steps"))
+    cuda_graph_max_batch: int = field(default=256, metadata=flag(
+        "--cuda-graph-max-batch", "decode steps of at most this many sequences replay CUDA "
+                                  "graphs (captured for 1, 2, 4, 8, 16, 24, ... sequences); "
+                                  "larger ones run eagerly"))
     cache: CacheConfig = field(default_factory=CacheConfig, metadata=flags_within())
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig, metadata=flags_within())
     kv: KVTransferConfig = field(default_factory=KVTransferConfig, metadata=flags_within())
@@ -161,12 +168,21 @@ class EngineConfig:
                      f"{self.quantization} needs PyTorch's FBGEMM kernels, which this torch lacks")
         _require(self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be >= 2")
         _require(self.num_threads is None or self.num_threads >= 1, "num_threads must be >= 1")
+        _require(self.cuda_graph_max_batch >= 1, f"cuda_graph_max_batch must be >= 1, got "
+                 f"{self.cuda_graph_max_batch} (--enforce-eager turns the graphs off)")
 
     @property
     def platform(self):
         """The device's platform (splitserve/platforms/), auto resolved; loads torch."""
         from splitserve.platforms import platform_for
         return platform_for(self.device)
+
+    @property
+    def graph_max_batch(self) -> int:
+        """Decode steps of at most this many rows replay captured graphs; 0: none do."""
+        if self.enforce_eager or not self.platform.decode_graphs:
+            return 0
+        return self.cuda_graph_max_batch
 
     @property
     def torch_dtype(self) -> "torch.dtype":

@@ -73,11 +73,14 @@ class LLM:
                  max_num_seqs: int = SchedulerConfig.max_num_seqs,
                  seed: int | None = EngineConfig.seed,
                  num_threads: int | None = EngineConfig.num_threads,
-                 gpu_memory_utilization: float | None = EngineConfig.gpu_memory_utilization):
+                 gpu_memory_utilization: float | None = EngineConfig.gpu_memory_utilization,
+                 enforce_eager: bool = EngineConfig.enforce_eager,
+                 cuda_graph_max_batch: int = EngineConfig.cuda_graph_max_batch):
         config = EngineConfig(
             model=model, device=device, load_format=load_format, dtype=dtype,
             quantization=quantization, max_model_len=max_model_len, num_threads=num_threads,
             seed=seed, gpu_memory_utilization=gpu_memory_utilization,
+            enforce_eager=enforce_eager, cuda_graph_max_batch=cuda_graph_max_batch,
             cache=CacheConfig(block_size=block_size, num_blocks=num_blocks,
                               memory_bytes=kv_cache_memory_bytes,
                               enable_prefix_caching=enable_prefix_caching),

@@ -54,7 +54,8 @@ class EngineCore(FailureHandling):
                                  cfg.max_position_embeddings, num_blocks * block_size)
         self.block_manager = BlockManager(num_blocks, block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
-        self.runner = ModelRunner(model, cfg, num_blocks, block_size, config.torch_dtype, platform)
+        self.runner = ModelRunner(model, cfg, num_blocks, block_size, config.torch_dtype, platform,
+                                  config.graph_max_batch, -(-self.max_model_len // block_size))
         self.sampler = Sampler(cfg.vocab_size, seed=config.seed, device=platform.device)
         self.pending: list[CompletionDelta] = []   # deltas produced between steps (aborts)
         self.draining: set[int] = set()            # front-ends whose streams are handed off
@@ -64,9 +65,10 @@ class EngineCore(FailureHandling):
         self.output = OutputBuilder(self.tokenizer)
         self.grammars = GrammarRoom(GrammarCompiler(self.tokenizer.to_json(), cfg.vocab_size,
                                                     self.tokenizer.eos_token_ids))
-        logger.info("engine: %s %s on %s, %d KV blocks of %d tokens, max_model_len %d", cfg.name,
+        logger.info("engine: %s %s on %s, %d KV blocks of %d tokens, max_model_len %d%s", cfg.name,
                     str(config.torch_dtype).removeprefix("torch."), platform.name, num_blocks,
-                    block_size, self.max_model_len)
+                    block_size, self.max_model_len,
+                    self.runner.graphs.describe() if self.runner.graphs else "")
 
     # -- requests in ----------------------------------------------------------------------
     def add_request(self, request: EngineRequest) -> None:

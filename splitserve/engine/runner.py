@@ -2,7 +2,8 @@
 
 Owns the KV cache tensor, on the platform's device (platforms/). Nothing here decides what to
 run (scheduler) or what to do with the logits (sampler); it only gathers token ids, positions
-and block tables, and hands them to the device.
+and block tables, and hands them to the device. Decode steps replay captured graphs where the
+engine turned them on (decode_graphs.py); every other step runs eagerly.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from splitserve.engine.decode_graphs import DecodeGraphs
 from splitserve.engine.request import Request
 from splitserve.model.attention import GatherBuffer, build_metadata
 from splitserve.model.config import ModelConfig
@@ -29,17 +31,28 @@ class StepResult:
 
 
 class ModelRunner:
+    """graph_max_batch: decode steps of at most this many rows replay captured graphs (0:
+    every step eager); max_width: the blocks of the longest sequence (max_model_len), what
+    the graphs' block tables hold at most."""
+
     def __init__(self, model: LlamaModel, cfg: ModelConfig, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, platform: Platform | None = None):
+                 dtype: torch.dtype, platform: Platform | None = None,
+                 graph_max_batch: int = 0, max_width: int = 0):
         self.model = model
         self.cfg = cfg
         self.block_size = block_size
         self.platform = platform or platform_for("cpu")
-        # (num_blocks, layers, k|v, block_size, kv_heads, head_dim); see model/attention.py
-        self.kv_cache = self.platform.alloc_kv_cache(
-            (num_blocks, cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim), dtype)
-        self.gather_buffer = GatherBuffer(dtype, self.platform.device)
         self.native_attention = self.platform.attention_backend() == "native"
+        # (num_blocks, layers, k|v, block_size, kv_heads, head_dim); see model/attention.py.
+        # With graphs, one more block at the end: the padding rows' scratch, never handed out.
+        scratch = 1 if graph_max_batch else 0
+        cache = self.platform.alloc_kv_cache(
+            (num_blocks + scratch, cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim),
+            dtype)
+        self.kv_cache = cache[:num_blocks]      # what the block manager and KV transfer see
+        self.graphs = DecodeGraphs(model, cache, block_size, graph_max_batch, max_width,
+                                   self.native_attention, self.platform) if scratch else None
+        self.gather_buffer = GatherBuffer(dtype, self.platform.device)
 
     def __del__(self):
         # Helper threads may still read the weights and this KV cache, freed once this returns.
@@ -56,6 +69,13 @@ class ModelRunner:
     def execute(self, scheduled: dict[Request, int]) -> StepResult:
         """scheduled: request -> its number of new tokens, single-token rows first
         (SchedulerOutput.scheduled)."""
+        hidden = self.graphs.run(scheduled) if self.graphs else None
+        if hidden is None:
+            hidden = self._eager(scheduled)
+        return self._logits(scheduled, hidden)
+
+    def _eager(self, scheduled: dict[Request, int]) -> torch.Tensor:
+        """-> final hidden states (T, hidden) of every scheduled token."""
         ids, positions, decodes, prefills = [], [], [], []
         for req, n in scheduled.items():
             start = req.num_computed_tokens
@@ -69,9 +89,8 @@ class ModelRunner:
                               self.kv_cache.dtype, self.gather_buffer, self.platform.to_device,
                               self.native_attention)
         to_device = self.platform.to_device
-        hidden = self.model(to_device(np.concatenate(ids).astype(np.int64)),
-                            to_device(np.concatenate(positions)), self.kv_cache, meta)
-        return self._logits(scheduled, hidden)
+        return self.model(to_device(np.concatenate(ids).astype(np.int64)),
+                          to_device(np.concatenate(positions)), self.kv_cache, meta)
 
     def _logits(self, scheduled: dict[Request, int], hidden: torch.Tensor) -> StepResult:
         rows, sample_requests, prompt_logits, offset = [], [], {}, 0
@@ -86,5 +105,8 @@ class ModelRunner:
                 end = min(start + n, req.num_prompt_tokens - 1)
                 prompt_logits[id(req)] = (req, start, self.model.logits(hidden[offset:offset + end - start]))
             offset += n
-        logits = self.model.logits(hidden[rows]) if rows else None
+        # rows rise within the step's tokens: as many as the tokens is all of them in order
+        # (decodes only), and then no index goes to the device
+        sampled = hidden if len(rows) == len(hidden) else hidden[rows]
+        logits = self.model.logits(sampled) if rows else None
         return StepResult(sample_requests, logits, prompt_logits)

@@ -53,6 +53,8 @@ def worker_command(args, role: str, port: int, cpus: WorkerPlan) -> list[str]:
            "--device", args.device, "--register", local_url(args.host, args.port)]
     if args.gpu_memory_utilization is not None:   # each worker's own fraction of the GPU
         cmd += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+    if args.enforce_eager:
+        cmd += ["--enforce-eager"]
     if args.model:
         cmd += ["--model", args.model]
     if args.load_format != "auto":

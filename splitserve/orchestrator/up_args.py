@@ -17,6 +17,7 @@ KV_BACKENDS = tuple(b for b in config_flags(EngineConfig)["--kv-backend"][2].cho
 
 def add_arguments(p) -> None:
     add_flags(p, EngineConfig, "--model", "--device", "--load-format", "--dtype", "--gpu-memory-utilization",
+              "--enforce-eager",
               help={"--gpu-memory-utilization": "fraction of the GPU's memory each worker may "
                     "use (device cuda only; CTX and GEN sharing one GPU: at most 1 together)"})
     p.add_argument("--host", default=ClusterConfig.host,

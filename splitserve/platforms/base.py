@@ -8,6 +8,7 @@ engine process only.
 from __future__ import annotations
 
 import abc
+from typing import Callable
 
 import numpy as np
 import torch
@@ -17,6 +18,9 @@ class Platform(abc.ABC):
     name: str                  # "cpu" | "cuda": what the start line names
     device: torch.device
     nixl_memory: str | None    # NIXL's memory type for the KV cache; None: nixl cannot run
+    # Decode steps replay captured graphs (engine/decode_graphs.py) unless --enforce-eager:
+    # only where a capture saves the launches it records.
+    decode_graphs: bool = False
 
     @abc.abstractmethod
     def default_dtype(self) -> torch.dtype:
@@ -47,6 +51,17 @@ class Platform(abc.ABC):
     def to_device(self, array: np.ndarray) -> torch.Tensor:
         """A host array -> a tensor on this device (shares the array's memory on the CPU)."""
         return torch.from_numpy(array).to(self.device, non_blocking=True)
+
+    def host_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A host tensor the engine refills and copies to the device step after step."""
+        return torch.empty(numel, dtype=dtype)
+
+    def capture_graph(self, fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        """fn, which reads and writes only tensors at fixed addresses that outlive it, -> a
+        replay computing what fn computes on those tensors' current contents. Here the
+        replay is fn itself, called again (the CPU, where there are no launches to save);
+        CUDA records fn's kernels once and replays them."""
+        return fn
 
     def generator(self, seed: int) -> torch.Generator:
         """A random generator on this device, seeded."""

@@ -9,6 +9,7 @@ the CPU kernels' helper thread has nothing to do here and never starts.
 from __future__ import annotations
 
 import threading
+from typing import Callable
 
 import numpy as np
 import torch
@@ -21,10 +22,12 @@ STAGING_SLOTS = 8     # pinned buffers a receiving thread cycles through: copies
 class CudaPlatform(Platform):
     name = "cuda"
     nixl_memory = None   # VRAM registration waits for a GPU with NIXL's CUDA plugin
+    decode_graphs = True
 
     def __init__(self, index: int | None = None):
         self.device = torch.device("cuda", torch.cuda.current_device() if index is None else index)
         self._local = threading.local()     # each transport thread's staging ring
+        self._graph_pool = None             # one memory pool for every captured graph
 
     def default_dtype(self) -> torch.dtype:
         return torch.bfloat16
@@ -56,6 +59,33 @@ class CudaPlatform(Platform):
                              f"for a KV cache: the weights take {used_here / 2**30:.1f} GiB of "
                              f"{total / 2**30:.1f} GiB")
         return budget
+
+    def host_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """Pinned: its copy to the GPU is one DMA, queued without waiting."""
+        return torch.empty(numel, dtype=dtype, pin_memory=True)
+
+    def capture_graph(self, fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        """A CUDA graph of fn's kernels. fn runs once first, on a side stream as PyTorch
+        asks, so that lazy set-ups (cuBLAS workspaces, SDPA's kernel choice) happen outside
+        the capture. Graphs share one memory pool: they never run at once, and each one's
+        output stays allocated (held here), so no later capture reuses it. The capture
+        forbids unsafe calls (allocating pinned memory, synchronizing) in this thread only:
+        the KV transfer threads go on staging blocks meanwhile."""
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
+            out = fn()
+
+        def replay() -> torch.Tensor:
+            graph.replay()
+            return out
+        return replay
 
     def blocks_to_host(self, blocks: list[torch.Tensor]) -> list[memoryview]:
         """All the offered blocks copied into one pinned buffer (torch's caching host

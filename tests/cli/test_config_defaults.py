@@ -78,6 +78,13 @@ def test_ups_kv_lease_reaches_every_worker():
     assert server_config(parse(*argv[argv.index("--log-level"):]), 1).engine.kv.lease_seconds == 3
 
 
+def test_ups_enforce_eager_reaches_every_worker():
+    args = parse("up", "--enforce-eager")
+    args.log_level = "INFO"
+    argv = worker_command(args, "gen", 9001, WorkerPlan((1,), 1, (0,)))
+    assert server_config(parse(*argv[argv.index("--log-level"):]), 1).engine.enforce_eager
+
+
 def test_ups_orchestrator_is_the_configs_defaults():
     config = cluster_config(parse("up"), {"SPLITSERVE_INTERNAL_SECRET": "s"})
     defaults = ClusterConfig(PoolConfig(()), PoolConfig(()))
@@ -135,6 +142,7 @@ LLM_FIELDS = {
     "model": "model", "device": "device", "load_format": "load_format", "dtype": "dtype",
     "quantization": "quantization", "gpu_memory_utilization": "gpu_memory_utilization",
     "max_model_len": "max_model_len", "seed": "seed", "num_threads": "num_threads",
+    "enforce_eager": "enforce_eager", "cuda_graph_max_batch": "cuda_graph_max_batch",
     "block_size": "cache.block_size", "num_blocks": "cache.num_blocks",
     "kv_cache_memory_bytes": "cache.memory_bytes",
     "enable_prefix_caching": "cache.enable_prefix_caching",

@@ -207,6 +207,7 @@ def _describe(engine: EngineCore, config: EngineConfig, args) -> dict:
             "dtype": str(config.torch_dtype).removeprefix("torch."),
             "device": engine.runner.platform.describe(),
             "quantization": args.quantization, "packed_weights": engine.runner.model.packed,
+            "decode_graphs": engine.runner.graphs is not None,
             "kernels": build.status() + _helper_note(),
             "threads": args.threads, "cpus": placement.format_cpus(tuple(os.sched_getaffinity(0))),
             **_machine(),
@@ -233,7 +234,7 @@ def _load_note(other: float | None) -> str:
 def add_arguments(p) -> None:
     add_flags(p, EngineConfig, "--model", "--device", "--load-format", "--dtype",
               "--gpu-memory-utilization", "--quantization", "--no-pack-weights", "--threads",
-              "--kv-cache-gib",
+              "--kv-cache-gib", "--enforce-eager", "--cuda-graph-max-batch",
               help={"--threads": "torch threads (default: torch's, all cores)",
                     "--kv-cache-gib": "KV cache size in GiB: room for the largest decode batch "
                                       "at --decode-prompt-len"})

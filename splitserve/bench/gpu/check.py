@@ -5,7 +5,7 @@
    dummy model, the same random weights in both (bench/hf_equality.py);
 3. `bench engine --load-format dummy` on the Llama-3-8B config: decode ms/step per batch at
    a 1k context and prefill tok/s at 2k tokens, each against its floor; tiny-random's decode
-   step at batch 1;
+   step at batch 1, with decode graphs and with --enforce-eager;
 4. `splitserve up` (a CTX and a GEN on the one device, KV over tcp) answering greedy chats
    equal to an aggregated worker's, with the GEN's KV transfer time per request.
 `--cpu-dry-run` runs every step on the CPU with small shapes, to know the script works.
@@ -78,9 +78,10 @@ def step_equality(plan: Plan, folders: dict[str, str]) -> bool:
     return all(r.equal == r.prompts for r in results)
 
 
-def bench(plan: Plan, folder: str, batches, out: str, kv_cache_gib: float) -> dict:
+def bench(plan: Plan, folder: str, batches, out: str, kv_cache_gib: float,
+          *extra: str) -> dict:
     splitserve("bench", "engine", "--model", folder, "--load-format", "dummy",
-               "--dtype", plan.dtype, *engine_flags(plan),
+               "--dtype", plan.dtype, *engine_flags(plan), *extra,
                "--batch-sizes", ",".join(map(str, batches)),
                "--decode-prompt-len", str(plan.context), "--prefill-len", str(plan.prefill),
                "--decode-steps", "16", "--repeats", "3", "--kv-cache-gib", str(kv_cache_gib),
@@ -105,8 +106,13 @@ def step_bench(plan: Plan, folders: dict[str, str], bw: float, peak: float, work
     floor_tps = plan.prefill * peak / floors.prefill_flops(cfg, plan.prefill)
     print(f"prefill {plan.big_model} {plan.prefill} tokens: {tps:9.0f} tok/s, "
           f"{tps / floor_tps:.0%} of the matmul peak's {floor_tps:.0f} tok/s")
-    tiny = bench(plan, folders["tiny-random"], (1,), os.path.join(work, "tiny.json"), 1.0)
-    print(f"decode tiny-random batch 1: {tiny['decode_ms_step']['1']:.2f} ms/step")
+    tiny = {}   # tiny-random's decode step as served, then with every step eager
+    for name, extra in (("default", ()), ("eager", ("--enforce-eager",))):
+        tiny[name] = bench(plan, folders["tiny-random"], (1,),
+                           os.path.join(work, f"tiny-{name}.json"), 1.0, *extra)
+    default = "with decode graphs" if tiny["default"]["decode_graphs"] else "eager (no graphs here)"
+    print(f"decode tiny-random batch 1: {tiny['default']['decode_ms_step']['1']:.2f} ms/step "
+          f"{default}, {tiny['eager']['decode_ms_step']['1']:.2f} ms/step with --enforce-eager")
 
 
 def main(argv: list[str] | None = None) -> int:
