@@ -22,7 +22,7 @@
 
 #define RVMAX 3          /* query heads per unit: RVMAX * KB accumulators + RVMAX loads fit AVX2's 16 registers */
 #define KB 4             /* keys per register block */
-#define KT 64            /* keys per tile (a multiple of KB) */
+#define KT SOFTMAX_TILE   /* keys per tile (vec.h; a multiple of KB) */
 
 /* rows[j] = the key row of position min(k0 + j, last), head g, for j < nk: tiles are padded
  * to whole register blocks with repeats of the last key, which exist and are masked. One
@@ -62,7 +62,7 @@ static inline __attribute__((always_inline)) void qk_tile(
             for (int b = 0; b < KB; b++) {
                 vf kb = splat(k[b][d]);
 #pragma GCC unroll 3
-                for (int v = 0; v < rv; v++) acc[b][v] += kb * qd[v];
+                for (int v = 0; v < rv; v++) acc[b][v] = vfma(kb, qd[v], acc[b][v]);
             }
         }
         for (int b = 0; b < KB; b++)
@@ -91,7 +91,7 @@ static inline __attribute__((always_inline)) void pv_tile(
             for (int e = 0; e < 4; e++) {
                 vf ve = splat(vrow[j][d + e]);
 #pragma GCC unroll 3
-                for (int v = 0; v < rv; v++) acc[e][v] += ve * pj[v];
+                for (int v = 0; v < rv; v++) acc[e][v] = vfma(ve, pj[v], acc[e][v]);
             }
         }
         for (int e = 0; e < 4; e++)
@@ -132,7 +132,7 @@ static inline __attribute__((always_inline)) void softmax_tile(
             s[j][v] = e;
             sum += e;
         }
-        sm->l[v] = sm->l[v] * corr + sum;
+        sm->l[v] = vfma(sm->l[v], corr, sum);
         sm->m[v] = mx;
         for (int d = 0; d < D; d++) ot[v][d] *= corr;
     }
@@ -157,7 +157,7 @@ static inline __attribute__((always_inline)) void unit(const float *q, int64_t q
         }
     }
     int64_t first = start + i0, last = start + i0 + n - 1;          /* positions in the unit */
-    int64_t kbeg = window > 0 && first - window + 1 > 0 ? first - window + 1 : 0;
+    int64_t kbeg = first_tile(window > 0 && first - window + 1 > 0 ? first - window + 1 : 0);
     for (int64_t k0 = kbeg; k0 <= last; k0 += KT) {
         int valid = last + 1 - k0 < KT ? (int)(last + 1 - k0) : KT;
         int nk = (valid + KB - 1) / KB * KB;

@@ -6,122 +6,137 @@
  * KV three times (read, write, read again); at long contexts decode is bound by exactly
  * those bytes, so here they are read once.
  *
- * Work goes by sequence and tile of VW keys, and inside a tile by KV head g: a tile's
- * tokens are read from memory once for all heads (a sequence's KV at long contexts is more
- * than the caches hold, so a pass per KV head would read it KVH times), and the G query
- * heads of g share each key and value row. A row is VW-wide vectors along head_dim: QK is
- * D / VW FMAs per head and key, the tile's VW dot products are summed across lanes all at
- * once (hsums), and PV is D / VW FMAs per head and value. Scores of a tile sit in one
- * vector (lane = key) for the online softmax.
+ * A query's arithmetic is attention.c's for a query at the same position, operation for
+ * operation, so a token's attention output, and the logits and the KV that follow from it,
+ * are the same bits whether the token was decoded or came inside a prefill chunk (a prompt's
+ * last token recomputed after a prefix-cache hit, a chunk of one token, a stream prefilled
+ * again after a migration), and a seeded draw does not depend on which:
+ *   - a score is one chain of FMAs over head_dim in order, from 0;
+ *   - keys go in tiles of SOFTMAX_TILE from the same first key (vec.h); per tile: the
+ *     running max, exponentials by vexp, their sum in key order, l = l * corr + sum, the
+ *     output scaled by corr and then += p * value for the keys in order;
+ *   - the result is the output times 1 / l.
+ * The score chain runs along head_dim, so here lanes hold keys: VW keys' rows are
+ * transposed in registers, VW dimensions at a time, and the block serves every query head
+ * of its KV head. A tile's tokens are read from memory once for all KV heads (a sequence's
+ * KV at long contexts is more than the caches hold, so a pass per KV head would read it KVH
+ * times).
  */
 #include "pool.h"
 #include "vec.h"
 
 #define GMAX 16          /* query heads per KV head handled; more returns -1 */
 #define HMAX 256         /* query heads handled (they live on the stack); more returns -1 */
+#define KT SOFTMAX_TILE
+#define SROW (KT + VW)   /* a head's scores in a tile, and room for a last vector's padding */
 
-static inline float hsum(vf v) {
-    float s = 0.0f;
-    for (int i = 0; i < VW; i++) s += v[i];
-    return s;
-}
-
-/* One step of a transposing reduction: lanes in blocks of w; the result's even blocks
- * hold x's pairs of blocks summed, its odd blocks y's. */
-static inline vf fold(vf x, vf y, int w) {
-    vi a, b;
-    for (int l = 0; l < VW; l++) {
-        a[l] = (l / w) % 2 == 0 ? l : VW + l - w;
-        b[l] = (l / w) % 2 == 0 ? l + w : VW + l;
+/* x (VW rows) -> its transpose. Data movement only: no value changes. */
+static inline __attribute__((always_inline)) void transpose(vf x[VW]) {
+#if VW == 8 && defined(__AVX__)
+    /* 24 single-instruction shuffles; the generic rounds below cost AVX2 three each */
+    __m256 t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps((__m256)x[i], (__m256)x[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps((__m256)x[i], (__m256)x[i + 1]);
     }
-    return __builtin_shuffle(x, y, a) + __builtin_shuffle(x, y, b);
-}
-
-/* r[j] = sum of acc[j]'s lanes, for VW vectors at once: log2(VW) rounds of folds, then one
- * permutation (the folds leave vector j in lane bit-reverse(j)). */
-static inline vf hsums(vf acc[VW]) {
-#pragma GCC unroll 16
-    for (int n = VW, w = VW / 2; n > 1; n /= 2, w /= 2)
-#pragma GCC unroll 16
-        for (int k = 0; k < n / 2; k++) acc[k] = fold(acc[2 * k], acc[2 * k + 1], w);
-    vi rev;
-    for (int l = 0; l < VW; l++) {
-        int r = 0;
-        for (int b = 1; b < VW; b *= 2) r = r * 2 + ((l / b) & 1);
-        rev[l] = r;
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
     }
-    return __builtin_shuffle(acc[0], rev);
-}
-
-static inline float hmax(vf v) {
-    float m = v[0];
-    for (int i = 1; i < VW; i++) m = v[i] > m ? v[i] : m;
-    return m;
+    for (int i = 0; i < 4; i++) {
+        x[i] = (vf)_mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+        x[i + 4] = (vf)_mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+    }
+#else
+    /* log2(VW) rounds, each swapping the off-diagonal b x b blocks of every 2b x 2b block */
+#pragma GCC unroll 8
+    for (int b = VW / 2; b >= 1; b /= 2) {
+        vi lo, hi;
+        for (int l = 0; l < VW; l++) {
+            lo[l] = (l / b) % 2 == 0 ? l : VW + l - b;
+            hi[l] = (l / b) % 2 == 0 ? l + b : VW + l;
+        }
+#pragma GCC unroll 16
+        for (int r = 0; r < VW / 2; r++) {        /* the pairs (top, top + b) */
+            int top = r / b * 2 * b + r % b;
+            vf a = x[top], c = x[top + b];
+            x[top] = __builtin_shuffle(a, c, lo);
+            x[top + b] = __builtin_shuffle(a, c, hi);
+        }
+    }
+#endif
 }
 
 typedef struct {
-    vf *q, *o;                   /* (G, nd) each: the group's queries, pre-scaled, and outputs */
+    const float *q;              /* (G, D): the group's queries, pre-scaled */
+    vf *o;                       /* (G, nd): their outputs */
     float *m, *l;                /* (G,) running max and sum */
 } Group;
 
-/* s[h] lanes j = q_h . K[k0 + j] for the tile's keys (rows[j]; `valid` of them), -inf past
- * them. */
+/* s[h][j0 ..] = q_h . K[j] for keys j0 .. j0 + VW - 1 of the tile (rows[], padded by
+ * repeats): lane j of a chain of FMAs over d in order (attention.c's qk_tile). */
 static inline __attribute__((always_inline)) void scores(
-        const Group *gr, int G, int nd, const float *const rows[VW], int valid, vf s[GMAX]) {
-    vf acc[GMAX][VW];
-    for (int j = 0; j < VW; j++) {
-        if (j >= valid) {
-            for (int h = 0; h < G; h++) acc[h][j] = splat(0.0f);
-            continue;
-        }
-        vf k[DMAX / VW];
-        for (int c = 0; c < nd; c++) k[c] = load(rows[j] + c * VW);
-        for (int h = 0; h < G; h++) {
-            vf a = gr->q[h * nd] * k[0];
-            for (int c = 1; c < nd; c++) a += gr->q[h * nd + c] * k[c];
-            acc[h][j] = a;
-        }
+        const Group *gr, int G, int D, const float *const rows[VW], float s[GMAX][SROW], int j0) {
+    vf acc[GMAX];
+    for (int h = 0; h < G; h++) acc[h] = splat(0.0f);
+    for (int c = 0; c < D; c += VW) {
+        vf k[VW];
+#pragma GCC unroll 16
+        for (int j = 0; j < VW; j++) k[j] = load(rows[j] + c);
+        transpose(k);                                  /* k[i] lane j = K[j][c + i] */
+#pragma GCC unroll 16
+        for (int i = 0; i < VW; i++)
+            for (int h = 0; h < G; h++) acc[h] = vfma(k[i], splat(gr->q[h * D + c + i]), acc[h]);
     }
-    float lane[VW];
-    for (int j = 0; j < VW; j++) lane[j] = (float)j;
-    vi past = load(lane) >= splat((float)valid);
-    for (int h = 0; h < G; h++) s[h] = sel(past, splat(-INFINITY), hsums(acc[h]));
+    for (int h = 0; h < G; h++) memcpy(&s[h][j0], &acc[h], sizeof acc[h]);
 }
 
-/* Folds keys k0 .. k0 + valid - 1 (rows[j]) into the group's running softmax and outputs.
- * Inlined with constant G and nd where the dispatch below knows them, so the outputs stay
- * in registers across the tile's values instead of being loaded and stored per value. */
+/* Folds keys j0 .. valid - 1 of a tile (their rows at tok[j] + goff) into the group's
+ * running softmax and outputs, as attention.c's softmax_tile and pv_tile do for a lane.
+ * Inlined with constant G and nd where the dispatch below knows them. */
 static inline __attribute__((always_inline)) void tile_body(
-        Group *gr, int G, int nd, const float *const rows[VW], int64_t v_offset, int valid) {
-    vf s[GMAX];
-    scores(gr, G, nd, rows, valid, s);
-    float p[GMAX][VW];
+        Group *gr, int G, int nd, const float *const tok[KT], int64_t goff, int64_t v_offset,
+        int j0, int valid) {
+    int D = nd * VW;
+    float s[GMAX][SROW];
+    for (int jb = j0; jb < valid; jb += VW) {
+        const float *rows[VW];
+        for (int j = 0; j < VW; j++) rows[j] = tok[jb + j < valid ? jb + j : valid - 1] + goff;
+        scores(gr, G, D, rows, s, jb);
+    }
     vf o[GMAX][DMAX / VW];
     for (int h = 0; h < G; h++) {
-        vf sh = s[h];                                  /* lanes past `valid` are -inf */
-        float mx = hmax(sh), m = gr->m[h] > mx ? gr->m[h] : mx;
-        vf e = vexp(sh - m);
-        e = sel(sh == splat(-INFINITY), splat(0.0f), e);
-        float corr = gr->m[h] == -INFINITY ? 0.0f : expf(gr->m[h] - m);
-        gr->l[h] = gr->l[h] * corr + hsum(e);
-        gr->m[h] = m;
+        float m0 = gr->m[h], mx = m0;
+        for (int j = j0; j < valid; j++) mx = mx > s[h][j] ? mx : s[h][j];   /* vmax's order */
+        float safe = mx == -INFINITY ? 0.0f : mx;
+        float corr = m0 == -INFINITY ? 0.0f : vexp(splat(m0 - safe))[0];
+        for (int jb = j0; jb < valid; jb += VW) {
+            vf e = vexp(load(&s[h][jb]) - splat(safe));
+            memcpy(&s[h][jb], &e, sizeof e);
+        }
+        float sum = 0.0f;
+        for (int j = j0; j < valid; j++) sum += s[h][j];
+        gr->l[h] = sfma(gr->l[h], corr, sum);
+        gr->m[h] = mx;
         for (int c = 0; c < nd; c++) o[h][c] = gr->o[h * nd + c] * corr;
-        memcpy(p[h], &e, sizeof e);
     }
-    for (int j = 0; j < valid; j++) {
+    for (int j = j0; j < valid; j++) {
         vf v[DMAX / VW];
-        for (int c = 0; c < nd; c++) v[c] = load(rows[j] + v_offset + c * VW);
+        for (int c = 0; c < nd; c++) v[c] = load(tok[j] + goff + v_offset + c * VW);
         for (int h = 0; h < G; h++) {
-            vf pj = splat(p[h][j]);
-            for (int c = 0; c < nd; c++) o[h][c] += pj * v[c];
+            vf pj = splat(s[h][j]);
+            for (int c = 0; c < nd; c++) o[h][c] = vfma(v[c], pj, o[h][c]);
         }
     }
     for (int h = 0; h < G; h++)
         for (int c = 0; c < nd; c++) gr->o[h * nd + c] = o[h][c];
 }
 
-#define TILE(G, ND) static void tile_##G##_##ND(Group *gr, const float *const rows[VW], \
-        int64_t v_offset, int valid) { tile_body(gr, G, ND, rows, v_offset, valid); }
+#define TILE(G, ND) static void tile_##G##_##ND(Group *gr, const float *const tok[KT], \
+        int64_t goff, int64_t v_offset, int j0, int valid) { \
+        tile_body(gr, G, ND, tok, goff, v_offset, j0, valid); }
 TILE(1, 4)
 TILE(2, 4)
 TILE(3, 4)
@@ -131,50 +146,51 @@ TILE(2, 8)
 TILE(3, 8)
 TILE(4, 8)
 
-static void tile(Group *gr, int G, int nd, const float *const rows[VW], int64_t v_offset,
-                 int valid) {
-    static void (*const fixed[2][4])(Group *, const float *const *, int64_t, int) = {
+static void tile(Group *gr, int G, int nd, const float *const tok[KT], int64_t goff,
+                 int64_t v_offset, int j0, int valid) {
+    static void (*const fixed[2][4])(Group *, const float *const *, int64_t, int64_t, int, int) = {
         {tile_1_4, tile_2_4, tile_3_4, tile_4_4}, {tile_1_8, tile_2_8, tile_3_8, tile_4_8}};
     if ((nd == 4 || nd == 8) && G <= 4)
-        fixed[nd / 8][G - 1](gr, rows, v_offset, valid);
+        fixed[nd / 8][G - 1](gr, tok, goff, v_offset, j0, valid);
     else
-        tile_body(gr, G, nd, rows, v_offset, valid);
+        tile_body(gr, G, nd, tok, goff, v_offset, j0, valid);
 }
 
 /* One sequence's query (H, D) at `pos` -> out (H, D). */
 static void sequence(const float *q, float *out, const Paged *kv, int64_t pos, int H, int KVH,
                      int D, int window, float scale) {
     int nd = D / VW, G = H / KVH;
-    vf qs[H * nd], os[H * nd];
+    float qs[H * D];
+    vf os[H * nd];
     float ms[H], ls[H];
-    for (int i = 0; i < H * nd; i++) {
-        qs[i] = load(q + i * VW) * scale;
-        os[i] = splat(0.0f);
-    }
+    for (int i = 0; i < H * D; i++) qs[i] = q[i] * scale;      /* as attention.c scales */
+    for (int i = 0; i < H * nd; i++) os[i] = splat(0.0f);
     for (int h = 0; h < H; h++) {
         ms[h] = -INFINITY;
         ls[h] = 0.0f;
     }
-    int64_t kbeg = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
-    for (int64_t k0 = kbeg; k0 <= pos; k0 += VW) {
-        const float *tok[VW], *rows[VW];
-        int valid = pos + 1 - k0 < VW ? (int)(pos + 1 - k0) : VW;
-        for (int j = 0; j < valid; j++) {
+    int64_t first = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
+    for (int64_t k0 = first_tile(first); k0 <= pos; k0 += KT) {
+        const float *tok[KT];
+        int valid = pos + 1 - k0 < KT ? (int)(pos + 1 - k0) : KT;
+        int j0 = first > k0 ? (int)(first - k0) : 0;    /* keys before it: out of the window */
+        for (int j = j0; j < valid; j++) {
             int64_t key = k0 + j;
             tok[j] = kv->cache + kv->table[key / kv->bs] * kv->block_stride
                 + (key % kv->bs) * kv->tok_stride;
         }
         for (int g = 0; g < KVH; g++) {
-            Group gr = {qs + g * G * nd, os + g * G * nd, ms + g * G, ls + g * G};
-            for (int j = 0; j < valid; j++) rows[j] = tok[j] + (int64_t)g * D;
-            tile(&gr, G, nd, rows, kv->v_offset, valid);
+            Group gr = {qs + (int64_t)g * G * D, os + g * G * nd, ms + g * G, ls + g * G};
+            tile(&gr, G, nd, tok, (int64_t)g * D, kv->v_offset, j0, valid);
         }
     }
-    for (int h = 0; h < H; h++)
+    for (int h = 0; h < H; h++) {
+        float inv = 1.0f / ls[h];
         for (int c = 0; c < nd; c++) {
-            vf o = os[h * nd + c] / ls[h];
+            vf o = os[h * nd + c] * inv;
             memcpy(out + h * D + c * VW, &o, sizeof o);
         }
+    }
 }
 
 struct decode_args {

@@ -37,6 +37,9 @@ KERNELS = ("attention", "attention_decode", "elementwise", "gemv", "gemv_bf16", 
 # two instructions, where the kernels want one FMA.
 FLAGS = ("-O3", "-fPIC", "-shared", "-std=c11", "-ffp-contract=fast", "-fno-math-errno",
          "-fno-trapping-math", "-Wall", "-Werror")
+# The attention kernels fuse exactly the multiply-adds they name (vec.h: vfma) and no
+# others, so a prefill chunk and a decode step round a query's sums alike (attention_decode.c).
+_KERNEL_FLAGS = {"attention": ("-ffp-contract=off",), "attention_decode": ("-ffp-contract=off",)}
 
 
 def _cpu_flags() -> str:
@@ -105,7 +108,7 @@ def _build(cc: str, name: str, march: str, again: bool = False) -> tuple[Path, b
     """-> (the shared object, whether it came from the cache); `again` builds it even if
     the cache holds it."""
     source = b"".join(p.read_bytes() for p in [_SOURCES / f"{name}.c", *sorted(_SOURCES.glob("*.h"))])
-    flags = (*FLAGS, f"-march={march}", f"-mtune={march}")
+    flags = (*FLAGS, *_KERNEL_FLAGS.get(name, ()), f"-march={march}", f"-mtune={march}")
     digest = hashlib.sha256(b"\0".join([source, _version(cc).encode(), " ".join(flags).encode(),
                                          _cpu_flags().encode()])).hexdigest()[:16]
     cache = Path(envs.kernel_cache())

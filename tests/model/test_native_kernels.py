@@ -128,6 +128,35 @@ def test_decode_attention_matches_sdpa(case, threads):
     assert out is not None and (out - ref).abs().max().item() < 4e-6
 
 
+BITWISE_CASES = [  # heads, kv_heads, dim, total, block_size, window
+    (9, 3, 64, 300, 16, None),     # SmolLM2's heads; queries on both sides of a tile's edge
+    (4, 2, 16, 150, 4, None),      # tiny-random's
+    (14, 2, 64, 130, 16, None),    # 7 heads per KV head: the generic tile
+    (8, 2, 128, 90, 4, None),      # head_dim 128
+    (9, 3, 64, 300, 16, 100),      # sliding window
+]
+
+
+@pytest.mark.parametrize("case", BITWISE_CASES)
+def test_a_query_attends_to_the_same_bits_in_any_chunk_and_in_a_decode_step(case):
+    """A position's output is one function of its query and keys: in a whole prefill, in a
+    chunk starting anywhere before it, and as a decode step (a migrated stream prefilled
+    again, a prompt's last token recomputed alone, must not move a seeded draw)."""
+    heads, kv_heads, dim, total, block_size, window = case
+    q, cache, table, _ = _paged_case(heads, kv_heads, dim, total, 0, block_size, window)
+    scale = dim ** -0.5
+    whole = native_attention.prefill(q, cache, 1, table, 0, window, scale)
+    for start, end in [(1, 9), (63, 66), (64, 65), (total - 70, total - 1), (total - 1, total)]:
+        chunk = native_attention.prefill(q[start:end], cache, 1, table, start, window, scale)
+        assert torch.equal(chunk, whole[start:end]), (start, end)
+    positions = torch.tensor([0, 1, 62, 63, 64, 65, total // 2, total - 1])
+    tables = table.expand(len(positions), -1).contiguous()
+    decoded = native_attention.decode(q[positions], cache, 1, tables, positions, window, scale)
+    assert decoded is not None
+    for row, p in zip(decoded, positions.tolist()):
+        assert torch.equal(row, whole[p]), (p, float((row - whole[p]).abs().max()))
+
+
 def test_unsupported_head_dim_falls_back():
     q, cache, table, _ = _paged_case(2, 1, 260, 20, 0, 4, None)
     assert native_attention.prefill(q, cache, 1, table, 0, None, 0.1) is None
