@@ -10,9 +10,9 @@ from splitserve.orchestrator.cluster import ClusterConfig
 from splitserve.protocol.tool_parsers import ToolParserFlag
 
 # A GEN's prompt tokens per step beside its decodes under --local-prefill-when-queued:
-# on one core in float32 a step of 8 decodes at 2k context and this many prompt tokens
-# stays near 150 ms (docs/tuning.md).
-QUEUED_PREFILL_CHUNK = 64
+# on one core in float32, 8 decodes at 2k context cost about what 17-31 prompt tokens do,
+# so a step stays within about 3x a decode step's time (docs/tuning.md).
+QUEUED_PREFILL_CHUNK = 32
 
 # The config's KV transports but none, which moves no KV: a cluster's generation_only output
 # would be garbage (bench frontend only)
