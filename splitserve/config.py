@@ -51,10 +51,22 @@ class SchedulerConfig:
                                     "prompt is prefilled in"))
     max_num_seqs: int = field(default=64, metadata=flag(
         "--max-num-seqs", "requests running at once at most"))
+    max_prefill_tokens_while_decoding: int = field(default=0, metadata=flag(
+        "--max-prefill-tokens-while-decoding",
+        "prompt tokens a step computes at most while other requests decode, so a long "
+        "prompt's chunks stall each stream's next token less; 0: max-num-batched-tokens"))
 
     def __post_init__(self):
         _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1")
         _require(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")
+        _require(self.max_prefill_tokens_while_decoding >= 0,
+                 "max_prefill_tokens_while_decoding must be 0 (no bound) or more")
+
+    @property
+    def prefill_budget_while_decoding(self) -> int:
+        """Prompt tokens a step with decodes in it computes at most."""
+        cap = self.max_prefill_tokens_while_decoding
+        return min(cap, self.max_num_batched_tokens) if cap else self.max_num_batched_tokens
 
 
 def _peers(text: str) -> tuple[str, ...]:

@@ -346,6 +346,10 @@ class EngineCore(FailureHandling):
     def num_waiting(self) -> int:
         return self.scheduler.num_waiting
 
+    @property
+    def num_prefill_tokens(self) -> int:
+        return self.scheduler.num_prefill_tokens
+
 
 def _matcher(template, output_tokens: list[int]):
     """A sequence's own grammar matcher (None without a grammar)."""

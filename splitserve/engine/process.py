@@ -200,6 +200,7 @@ def _stats(engine: EngineCore) -> EngineStats:
                        bm.prefix_queries, bm.prefix_hits, engine.remote_kv.num_leased_blocks,
                        kv_error=engine.remote_kv.health() or "",
                        kv_bytes_pulled=pulls.bytes_pulled, kv_blocks_pulled=pulls.blocks_pulled,
-                       kv_blocks_reused=pulls.blocks_reused)
+                       kv_blocks_reused=pulls.blocks_reused,
+                       num_prefill_tokens=engine.num_prefill_tokens)
 
 

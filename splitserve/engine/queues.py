@@ -181,3 +181,13 @@ class RequestQueues:
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        """Tokens this engine must still compute before its requests decode: the rest of
+        every waiting and running prompt (a preempted request's output too), but not a
+        pulled prompt's, whose KV comes from a context worker."""
+        waiting = sum(r.num_tokens - r.num_computed_tokens for r in self.waiting
+                      if r.remote is None)
+        return waiting + sum(left for r in self.running
+                             if (left := r.num_tokens - r.num_computed_tokens) > 1)

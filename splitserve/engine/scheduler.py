@@ -2,7 +2,9 @@
 
 Each step hands out at most max_num_batched_tokens tokens. Running requests go first (a
 decode needs one token; an unfinished prefill takes the next chunk), then waiting requests
-in arrival order. When blocks run out, the most recently admitted running request is
+in arrival order. While some request decodes, the step's prefill chunks together take at
+most max_prefill_tokens_while_decoding of them (when set): a step's time is every stream's
+gap between two tokens, so a long prompt is computed in smaller pieces beside them. When blocks run out, the most recently admitted running request is
 preempted: its blocks are freed and it is recomputed later (prefix caching usually gives
 most of them back).
 
@@ -43,6 +45,24 @@ class SchedulerOutput:
         return bool(self.scheduled)
 
 
+@dataclass
+class _Budget:
+    """One step's tokens left: `total` for every row, `prefill` for prefill chunks alone.
+    A request needing one token (a decode, or a prompt's last) takes from total only."""
+    total: int
+    prefill: int
+
+    def grant(self, needed: int) -> int:
+        """Tokens a request needing `needed` more gets (0: none left for it)."""
+        return min(needed, self.total, self.prefill) if needed > 1 else min(needed, self.total)
+
+    def spend(self, n: int, needed: int) -> None:
+        """n tokens granted to a request needing `needed` were scheduled."""
+        self.total -= n
+        if needed > 1:
+            self.prefill -= n
+
+
 class Scheduler(RequestQueues):
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
         super().__init__(block_manager)
@@ -53,18 +73,29 @@ class Scheduler(RequestQueues):
         transferring: their KV pull starts) and preempts running ones when blocks run out;
         nothing else changes until the engine reports the step (computed(), append_token())."""
         out = SchedulerOutput()
-        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        budget = _Budget(self.config.max_num_batched_tokens,
+                         self.config.prefill_budget_while_decoding if self._decoding()
+                         else self.config.max_num_batched_tokens)
+        self._schedule_running(out, budget)
         if not out.preempted:
             self._schedule_waiting(out, budget)
         # stable: single-query rows first
         out.scheduled = dict(sorted(out.scheduled.items(), key=lambda item: item[1] > 1))
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _decoding(self) -> bool:
+        """Whether a running request needs just its next token this step."""
+        return any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
+
+    def _schedule_running(self, out: SchedulerOutput, budget: _Budget) -> None:
         i, stuck = 0, []
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget.total > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            needed = req.num_tokens - req.num_computed_tokens
+            n = budget.grant(needed)
+            if n == 0:     # a prefill chunk, and the step's prefill tokens are spent
+                i += 1
+                continue
             while not self._allocate(req, n, out):
                 victim = self._victim(i)
                 if victim is None:     # only length-only requests after it: wait a step
@@ -74,17 +105,16 @@ class Scheduler(RequestQueues):
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is req:
-                    return budget
+                    return
             else:
                 if req in out.failed:
                     self.running.pop(i)
                     continue
                 out.scheduled[req] = n
-                budget -= n
+                budget.spend(n, needed)
             i += 1
         if stuck and not out.scheduled:
             out.starved = stuck[:1]    # nothing can move: end one so the rest can
-        return budget
 
     def _allocate(self, req: Request, n: int, out: SchedulerOutput, cached=NO_BLOCKS) -> bool:
         """bm.allocate; True (and req in out.failed) if it raised: one request's broken
@@ -105,7 +135,7 @@ class Scheduler(RequestQueues):
                 return victim
         return None
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _schedule_waiting(self, out: SchedulerOutput, budget: _Budget) -> None:
         while self.waiting and self._num_admitted < self.config.max_num_seqs:
             req = self.waiting[0]
             if req.remote is not None:
@@ -126,13 +156,14 @@ class Scheduler(RequestQueues):
                 self.transferring.append(req)
                 out.pulls.append(req)
                 continue
-            if budget <= 0:
+            if budget.total <= 0 or budget.prefill <= 0:
                 break
             cached = NO_BLOCKS
             if req.num_computed_tokens == 0 and req.params.prompt_logprobs is None:
                 cached = self._cached_prefix(req, out)   # cached tokens would have no logprobs
             computed = req.num_computed_tokens + len(cached) * self.bm.block_size
-            n = min(req.num_tokens - computed, budget)
+            needed = req.num_tokens - computed
+            n = budget.grant(needed)
             if not (req in out.failed or self._allocate(req, n, out, cached)):
                 break
             self.waiting.popleft()
@@ -146,7 +177,7 @@ class Scheduler(RequestQueues):
                 req.first_scheduled_time = time.monotonic()
             self.running.append(req)
             out.scheduled[req] = n
-            budget -= n
+            budget.spend(n, needed)
 
     def _cached_prefix(self, req: Request, out: SchedulerOutput, find=None):
         try:

@@ -207,7 +207,8 @@ class Orchestrator:
     async def _serve_one(self, request, body: dict, t0: float | None = None):
         """(the answer, the route it took) of one request served whole on the pools: a
         client's, or one part of a split one (split.py), planned by decide.py."""
-        plan = await self.decider.plan(request, body, self.pools.gen.servers)
+        plan = await self.decider.plan(request, body, self.pools.ctx.servers,
+                                       self.pools.gen.servers)
         resp, served = await self.pools.serve(request, body, plan.local, t0 or time.time(),
                                               plan.info)
         return resp, served or ("aggregated" if plan.local else "disagg")

@@ -10,7 +10,7 @@ import yaml
 from splitserve.httpd.cors import parse_origins
 from splitserve.protocol.cache_salt import check_isolation
 from splitserve.protocol.disagg import RELAY_MODES
-from splitserve.protocol.internal_api import reported_load
+from splitserve.protocol.internal_api import reported_load, reported_prefill
 from splitserve.protocol.membership import parse_target
 from splitserve.protocol.prompts import (
     check_template_file, template_file_field, trust_templates_field)
@@ -64,8 +64,14 @@ class ClusterConfig:
     # caches) are prefilled on the GEN itself, skipping CTX and the KV transfer
     # (orchestrator/decide.py). 0: every prompt goes through CTX.
     local_prefill_max_tokens: int = 0
+    # A long prompt is prefilled on a GEN too when the context pool's queue would delay its
+    # first token more than that GEN, decoding, would take (orchestrator/queue_prefill.py);
+    # give the GENs --max-prefill-tokens-while-decoding so their streams' gaps stay short.
+    local_prefill_when_queued: bool = False
+    # How many times longer a GEN that runs requests takes to prefill a prompt than a CTX.
+    local_prefill_gen_slowdown: float = 2.0
     # The workers' model (a name or path): the orchestrator tokenizes with its tokenizer
-    # for the decision above and KV-aware routing. None: prompts are counted from their
+    # for the decisions above and KV-aware routing. None: prompts are counted from their
     # bytes only, chat prompts not at all.
     model: str | None = None
     load_format: str = "auto"     # the workers' --load-format: dummy reads only model's config
@@ -102,6 +108,9 @@ class ClusterConfig:
         if self.local_prefill_max_tokens < 0:
             raise ValueError(f"local_prefill_max_tokens must be 0 (off) or more, got "
                              f"{self.local_prefill_max_tokens!r}")
+        if not self.local_prefill_gen_slowdown >= 1:
+            raise ValueError(f"local_prefill_gen_slowdown must be 1 or more, got "
+                             f"{self.local_prefill_gen_slowdown!r}")
         if not 1 <= self.processes <= 64:
             raise ValueError(f"processes must be 1 to 64, got {self.processes!r}")
         if self.processes > 1 and not self.port:
@@ -176,6 +185,13 @@ class Server:
     requests) also counts those not in the engine yet (tokenizing, queued on the ZeroMQ
     socket).
 
+    `prefill_tokens` is the prompt tokens it must compute before they decode, corrected the
+    same way: its last report's (internal_api.reported_prefill) plus the prompt tokens of
+    this orchestrator's requests prefilling there sent since, minus those the report counted
+    that have answered (a finished prompt's whole length: the estimate may run low until
+    the next report), never below zero. `local_prefills`: this orchestrator's requests sent
+    whole to it and not at their first token yet (orchestrator/queue_prefill.py).
+
     healthy: routed to. Only after a health check verified the worker's identity (creds)
     and found it serving; cleared, with creds, when it fails or refuses a request."""
     url: str
@@ -185,6 +201,11 @@ class Server:
     static: bool = True           # from the YAML: never leaves the pool
     reported: int | None = None   # the last report's load, None before the first
     _in_flight_at_report: int = 0
+    prefill_sent: int = 0         # prompt tokens of this orchestrator's requests prefilling on it
+    local_prefills: int = 0
+    running: int = 0              # the last report's running requests
+    _prefill_reported: int | None = None
+    _prefill_sent_at_report: int = 0
 
     def __hash__(self) -> int:
         return hash(self.url)
@@ -195,9 +216,19 @@ class Server:
             return self.in_flight
         return max(self.reported + self.in_flight - self._in_flight_at_report, self.in_flight)
 
+    @property
+    def prefill_tokens(self) -> int:
+        if self._prefill_reported is None:
+            return self.prefill_sent
+        return max(self._prefill_reported + self.prefill_sent - self._prefill_sent_at_report, 0)
+
     def report(self, load) -> None:
         """load: a worker's /health "load" object; ignored unless it is well-formed."""
         reported = reported_load(load)
         if reported is None:
             return
         self.reported, self._in_flight_at_report = reported, self.in_flight
+        prefill = reported_prefill(load)
+        if prefill is not None:
+            (self._prefill_reported, self.running), self._prefill_sent_at_report = \
+                prefill, self.prefill_sent

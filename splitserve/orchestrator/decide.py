@@ -8,7 +8,9 @@ request), skipping CTX and the KV transfer. Local prefill when
   hop and the KV pull cost more than the prefill they move (a bound from the body's bytes
   settles most of them without tokenizing), or
 - a GEN already holds all but at most that many of its tokens in its prefix cache (as its
-  /internal/kv_blocks last said): the request is pinned to that GEN.
+  /internal/kv_blocks last said): the request is pinned to that GEN, or
+- `local_prefill_when_queued` is set and the CTX pool's queue would delay it more than a
+  GEN would take to prefill it (queue_prefill.py): the request is pinned to that GEN.
 
 Also builds the RequestInfo the routers read (the session id; the block hashes when the
 prompt is tokenized), and polls the workers' cached blocks when a router or the decision
@@ -28,6 +30,7 @@ from splitserve.orchestrator import relay
 from splitserve.orchestrator.cluster import ClusterConfig, Server
 from splitserve.orchestrator.kv_index import KVIndex
 from splitserve.orchestrator.prompt_tokens import PromptTokenizer, block_hashes
+from splitserve.orchestrator.queue_prefill import pick_gen
 from splitserve.orchestrator.routers import RequestInfo, uses_kv_index
 from splitserve.protocol.block_hashes import salted_root
 
@@ -58,12 +61,15 @@ def session_id(header, body: dict) -> str | None:
 class Decider:
     def __init__(self, config: ClusterConfig, metrics):
         self.threshold = config.local_prefill_max_tokens
+        self.when_queued = config.local_prefill_when_queued
+        self.slowdown = config.local_prefill_gen_slowdown
         self.interval = config.health_check_interval
         self.poll_ctx = uses_kv_index(config.context_servers.router)
         self.poll_gen = uses_kv_index(config.generation_servers.router) or self.threshold > 0
         self.index = KVIndex() if self.poll_ctx or self.poll_gen else None
+        self.counting = self.index is not None or self.when_queued
         # The tokenizer only when something reads counts: it costs start-up time and memory.
-        self.tokens = PromptTokenizer(config.model if self.index is not None else None,
+        self.tokens = PromptTokenizer(config.model if self.counting else None,
                                       config.load_format, config.chat_template)
         self.count = metrics.registry.register(Counter(
             "splitserve_orchestrator_prefill_total",
@@ -74,30 +80,37 @@ class Decider:
             "Cached blocks each worker reported holding, as last read", ("server",)))
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="orch-tokenize")
 
-    async def plan(self, request, body: dict, gen_servers: list[Server]) -> Plan:
-        plan = await self._plan(request, body, gen_servers)
+    async def plan(self, request, body: dict, ctx_servers: list[Server],
+                   gen_servers: list[Server]) -> Plan:
+        plan = await self._plan(request, body, ctx_servers, gen_servers)
         self.count.labels("gen" if plan.local else "ctx", plan.reason).inc()
         return plan
 
-    async def _plan(self, request, body: dict, gen_servers: list[Server]) -> Plan:
+    async def _plan(self, request, body: dict, ctx_servers: list[Server],
+                    gen_servers: list[Server]) -> Plan:
         info = RequestInfo(relay.prefix_key(body), session_id(request.header, body),
                            index=self.index)
         if relay.needs_aggregated(body):
             return Plan(True, "needs_aggregated", info)
         if self.threshold and self.tokens.surely_within(body, self.threshold):
             return Plan(True, "short_prompt", info)
-        if self.index is not None:    # (kept whenever the threshold is set)
+        if self.counting:
             await self._tokenize(body, info)
-        if not self.threshold:
+        if not (self.threshold or self.when_queued):
             return Plan(False, "off", info)
         if info.num_tokens is None:
             return Plan(False, "not_counted", info)
         if info.num_tokens <= self.threshold:
             return Plan(True, "short_prompt", info)
-        holder = self._gen_holding(info, gen_servers)
+        holder = self._gen_holding(info, gen_servers) if self.threshold else None
         if holder is not None:
             info.pin = holder.url
             return Plan(True, "gen_prefix_hit", info)
+        holder = pick_gen(info.num_tokens, ctx_servers, gen_servers, self.slowdown) \
+            if self.when_queued else None
+        if holder is not None:
+            info.pin = holder.url
+            return Plan(True, "ctx_queue", info)
         return Plan(False, "long_prompt", info)
 
     async def _tokenize(self, body: dict, info: RequestInfo) -> None:

@@ -152,6 +152,7 @@ class Pools:
         tries = Tries(self.config.max_retries, self.metrics.retries, self.probes,
                       request.id)
         migratable = not aggregated and body.get("stream") is True and self.config.migrate_streams
+        prompt = info.num_tokens or 0    # counted only where a decision reads it (decide.py)
         while True:
             pool = self.gen if gen_data is not None else self.ctx
             server = await tries.pick(pool, info)
@@ -160,8 +161,9 @@ class Pools:
                     tap, carry_on = (self._migration(request, body, info,
                                                      [*tries.failed["gen"], server])
                                      if migratable else (None, None))
-                    return await self._generate_on(server, request, gen_data, tap, carry_on), None
-                status, answer = await self._prefill(server, request, ctx_data)
+                    return await self._generate_on(server, request, gen_data, tap, carry_on,
+                                                   prompt if aggregated else None), None
+                status, answer = await self._prefill(server, request, ctx_data, prompt)
                 params = _handoff(body, status, answer)
                 if params is None:
                     return stream.ctx_answer(body, status, answer), "ctx_only"
@@ -205,8 +207,10 @@ class Pools:
             return await migrate.carry_on(self, request, out, tap, body, info, avoid, problem)
         return tap, carry_on
 
-    async def _prefill(self, server: Server, request, data: bytes) -> tuple[int, dict]:
+    async def _prefill(self, server: Server, request, data: bytes,
+                       prompt: int) -> tuple[int, dict]:
         server.in_flight += 1
+        server.prefill_sent += prompt
         t = time.time()
         try:
             return await upstream.post_json(self.session, server.url + request.path,
@@ -214,16 +218,17 @@ class Pools:
                                             self.config.first_byte_timeout, request.id)
         finally:
             server.in_flight -= 1
+            server.prefill_sent -= prompt
             self.metrics.ctx.observe(time.time() - t)
 
     async def _generate_on(self, server: Server, request, data: bytes, tap=None,
-                           carry_on=None):
+                           carry_on=None, prompt: int | None = None):
+        """prompt: a whole request's prompt tokens (None: its KV is pulled), counted as
+        the GEN's prefill work until its first event (queue_prefill.py reads it)."""
         server.in_flight += 1
         try:
             t = time.time()
-            held = await upstream.open_generation(self.session, server.url + request.path,
-                                                  upstream.creds_of(server), data,
-                                                  self.config.first_byte_timeout, request.id)
+            held = await self._open_generation(server, request, data, prompt)
             self.metrics.gen_first_byte.observe(time.time() - t)
             try:
                 resp = await stream.forward(request, held, self.config.idle_timeout, tap, carry_on)
@@ -234,6 +239,18 @@ class Pools:
             return resp
         finally:
             server.in_flight -= 1
+
+    async def _open_generation(self, server: Server, request, data: bytes, prompt: int | None):
+        local = prompt is not None
+        server.local_prefills += local
+        server.prefill_sent += prompt or 0
+        try:
+            return await upstream.open_generation(self.session, server.url + request.path,
+                                                  upstream.creds_of(server), data,
+                                                  self.config.first_byte_timeout, request.id)
+        finally:
+            server.local_prefills -= local
+            server.prefill_sent -= prompt or 0
 
     # -- health and models ----------------------------------------------------------------
     def mark_down(self, url: str) -> None:

@@ -31,6 +31,7 @@ from splitserve.orchestrator.app import run_orchestrator
 from splitserve.orchestrator.cluster import ClusterConfig, PoolConfig
 from splitserve.orchestrator.fleet import run_fleet
 from splitserve.orchestrator.supervisor import Supervisor, WorkerChild, stop_processes
+from splitserve.orchestrator.up_args import QUEUED_PREFILL_CHUNK
 from splitserve.planner.config import PlannerConfig
 from splitserve.platforms import check_device
 from splitserve.placement import (ClusterPlan, WorkerPlan, format_cpus, pin_process,
@@ -71,9 +72,21 @@ def worker_command(args, role: str, port: int, cpus: WorkerPlan) -> list[str]:
         cmd += ["--cache-isolation", args.cache_isolation]
     cmd += [f for f, on in (("--disable-log-requests", args.disable_log_requests),
                             ("--disable-log-stats", args.disable_log_stats)) if on]
+    chunk = prefill_chunk(args)
+    if chunk:
+        cmd += ["--max-prefill-tokens-while-decoding", str(chunk)]
     if role == "gen" and args.gen_api_servers > 1:
         cmd += ["--api-server-count", str(args.gen_api_servers)]
     return cmd
+
+
+def prefill_chunk(args) -> int:
+    """Every worker's --max-prefill-tokens-while-decoding (a role is a label: the planner
+    may make a CTX a GEN): the flag's, else QUEUED_PREFILL_CHUNK when GENs prefill queued
+    prompts, else 0."""
+    if args.max_prefill_tokens_while_decoding or not args.local_prefill_when_queued:
+        return args.max_prefill_tokens_while_decoding
+    return QUEUED_PREFILL_CHUNK
 
 
 def free_ports(first: int, count: int, skip=()) -> list[int]:
@@ -266,6 +279,8 @@ def cluster_config(args, secret_env: dict[str, str]) -> ClusterConfig:
                            cache_isolation=args.cache_isolation,
                            internal_secret=secret_env["SPLITSERVE_INTERNAL_SECRET"],
                            local_prefill_max_tokens=args.local_prefill_max_tokens,
+                           local_prefill_when_queued=args.local_prefill_when_queued,
+                           local_prefill_gen_slowdown=args.local_prefill_gen_slowdown,
                            max_in_flight=args.max_in_flight,
                            first_byte_timeout=args.first_byte_timeout,
                            idle_timeout=args.idle_timeout, model=args.model or DEFAULT_MODEL,

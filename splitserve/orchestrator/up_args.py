@@ -4,10 +4,15 @@ The workers' engine flags are `serve`'s own (splitserve/flags.py), passed on to 
 
 from __future__ import annotations
 
-from splitserve.config import EngineConfig
+from splitserve.config import EngineConfig, SchedulerConfig
 from splitserve.flags import add_flags, config_flags
 from splitserve.orchestrator.cluster import ClusterConfig
 from splitserve.protocol.tool_parsers import ToolParserFlag
+
+# A GEN's prompt tokens per step beside its decodes under --local-prefill-when-queued:
+# on one core in float32, 8 decodes at 2k context cost about what 17-31 prompt tokens do,
+# so a step stays within about 3x a decode step's time (docs/tuning.md).
+QUEUED_PREFILL_CHUNK = 32
 
 # The config's KV transports but none, which moves no KV: a cluster's generation_only output
 # would be garbage (bench frontend only)
@@ -51,6 +56,19 @@ def add_arguments(p) -> None:
                    help="prompts of at most this many tokens (or all but this many cached "
                         "on a generation worker) are prefilled there, skipping the context "
                         "worker and the KV transfer (default %(default)s: off)")
+    p.add_argument("--local-prefill-when-queued", action="store_true",
+                   help="a long prompt is prefilled on a generation worker too when the "
+                        "context workers' queue would delay its first token more than that "
+                        "worker would take (it runs --max-prefill-tokens-while-decoding)")
+    p.add_argument("--local-prefill-gen-slowdown", type=float,
+                   default=ClusterConfig.local_prefill_gen_slowdown,
+                   help="how many times longer a generation worker that runs requests takes "
+                        "to prefill a prompt than a context worker (default: %(default)s)")
+    add_flags(p, SchedulerConfig, "--max-prefill-tokens-while-decoding",
+              help={"--max-prefill-tokens-while-decoding": "each worker's: prompt tokens a "
+                    "step computes at most while other requests decode; 0: "
+                    f"{QUEUED_PREFILL_CHUNK} with --local-prefill-when-queued, else the "
+                    "whole step"})
     add_flags(p, ClusterConfig, "--chat-template", "--trust-request-chat-template")
     add_flags(p, ToolParserFlag, "--tool-call-parser")
     from splitserve.cli import add_worker_flags

@@ -333,6 +333,7 @@ class EngineStats(msgspec.Struct, array_like=True, gc=False):
     kv_bytes_pulled: int = 0           # generation_only: KV bytes pulled from context workers
     kv_blocks_pulled: int = 0
     kv_blocks_reused: int = 0          # prompt blocks found in this worker's prefix cache instead
+    num_prefill_tokens: int = 0        # prompt tokens still to compute (queues.py)
 
 
 class EngineReady(msgspec.Struct, tag="ready"):

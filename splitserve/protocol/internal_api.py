@@ -80,11 +80,23 @@ def read_kv_blocks(body) -> tuple[str, int, list[bytes]] | None:
         return None
 
 
-def load_body(running: int, waiting: int, in_flight: int, kv_usage: float) -> dict:
-    """A worker's /health "load": its engine's running and waiting requests and KV use
-    (engine-wide), and the generation requests open on its front-ends."""
+def load_body(running: int, waiting: int, in_flight: int, kv_usage: float,
+              prefill_tokens: int = 0) -> dict:
+    """A worker's /health "load": its engine's running and waiting requests, KV use and
+    prompt tokens still to compute (engine-wide), and the generation requests open on its
+    front-ends."""
     return {"running": running, "waiting": waiting, "in_flight": in_flight,
-            "kv_usage": kv_usage}
+            "kv_usage": kv_usage, "prefill_tokens": prefill_tokens}
+
+
+def reported_prefill(load) -> tuple[int, int] | None:
+    """(prompt tokens still to compute, running requests) a load_body says the worker
+    holds; None unless both are well-formed (a worker from before the field: None)."""
+    try:
+        tokens, running = int(load["prefill_tokens"]), int(load["running"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    return (tokens, running) if tokens >= 0 and running >= 0 else None
 
 
 def reported_load(load) -> int | None:

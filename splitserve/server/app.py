@@ -218,7 +218,8 @@ class WorkerServer:
         arrival, and the other front-ends' (--api-server-count) as they last reported."""
         now = self.totals()
         return load_body(now.running, now.waiting,
-                         self.handlers.in_flight + self.engine.peers_in_flight(), now.kv_usage)
+                         self.handlers.in_flight + self.engine.peers_in_flight(), now.kv_usage,
+                         self.engine.stats.num_prefill_tokens)
 
     async def prometheus(self, request: Request) -> Response:
         self.metrics.update_engine(self.engine.stats)

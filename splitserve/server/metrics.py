@@ -52,6 +52,9 @@ class ServerMetrics:
                                    "Times the engine process was started again after it stopped")
         self.running = add(Gauge, "num_requests_running", "Requests in the engine's running batch")
         self.waiting = add(Gauge, "num_requests_waiting", "Requests waiting to be scheduled")
+        self.prefill_tokens = add(Gauge, "num_prefill_tokens",
+                                  "Prompt tokens the engine must still compute (waiting and "
+                                  "running prefills; pulled prompts not)")
         self.kv_used = add(Gauge, "kv_blocks_used", "KV cache blocks in use")
         self.kv_total = add(Gauge, "kv_blocks_total", "KV cache blocks in the pool")
         self.kv_usage = add(Gauge, "kv_cache_usage", "Fraction of KV cache blocks in use (0..1)")
@@ -75,7 +78,8 @@ class ServerMetrics:
 
         # Copies of the engine's stats: the same in every front-end, so never summed.
         self.engine_wide = {m.name for m in (
-            self.engine_restarts, self.running, self.waiting, self.kv_used, self.kv_total,
+            self.engine_restarts, self.running, self.waiting, self.prefill_tokens, self.kv_used,
+            self.kv_total,
             self.kv_usage, self.kv_leased, self.prefix_queries, self.prefix_hits,
             *self.kv_pulls.values())}
 
@@ -97,6 +101,7 @@ class ServerMetrics:
         """stats: protocol.engine.EngineStats (running, waiting, KV blocks, prefix cache)."""
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
+        self.prefill_tokens.set(stats.num_prefill_tokens)
         self.set_kv_blocks(stats.kv_blocks_used, stats.kv_blocks_total)
         self.kv_leased.set(stats.kv_blocks_leased)
         self.prefix_queries.set_total(stats.prefix_cache_queries)

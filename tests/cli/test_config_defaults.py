@@ -85,6 +85,21 @@ def test_ups_enforce_eager_reaches_every_worker():
     assert server_config(parse(*argv[argv.index("--log-level"):]), 1).engine.enforce_eager
 
 
+@pytest.mark.parametrize("flags, chunk", [((), 0), (("--local-prefill-when-queued",), 32),
+                                          (("--local-prefill-when-queued",
+                                            "--max-prefill-tokens-while-decoding", "8"), 8)])
+def test_ups_queue_driven_local_prefill_bounds_every_workers_prefill_beside_decodes(flags,
+                                                                                   chunk):
+    args = parse("up", *flags)
+    args.log_level = "INFO"
+    for role in ("ctx", "gen"):       # a role is a label: the planner may move either
+        argv = worker_command(args, role, 9001, WorkerPlan((1,), 1, (0,)))
+        worker = server_config(parse(*argv[argv.index("--log-level"):]), 1)
+        assert worker.engine.scheduler.max_prefill_tokens_while_decoding == chunk
+    config = cluster_config(args, {"SPLITSERVE_INTERNAL_SECRET": "s"})
+    assert config.local_prefill_when_queued == bool(flags)
+
+
 def test_ups_orchestrator_is_the_configs_defaults():
     config = cluster_config(parse("up"), {"SPLITSERVE_INTERNAL_SECRET": "s"})
     defaults = ClusterConfig(PoolConfig(()), PoolConfig(()))

@@ -146,6 +146,31 @@ def test_the_token_budget_goes_to_decodes_first_then_to_prefill_chunks():
     assert step(sched).scheduled == {"a": 1, "b": 1, "c": 1}
 
 
+def test_while_requests_decode_prefill_chunks_take_at_most_their_own_budget():
+    sched = Scheduler(SchedulerConfig(16, 8, max_prefill_tokens_while_decoding=4),
+                      BlockManager(64, BS, True))
+    a, b, c = request("a", 6), request("b", 10, first=30), request("c", 9, first=100)
+    add(sched, a)
+    assert step(sched).scheduled == {"a": 6}                  # nothing decodes: the whole step
+    add(sched, b, c)
+    assert step(sched).scheduled == {"a": 1, "b": 4}          # a decodes: b's chunk is 4
+    assert sched.num_prefill_tokens == 6 + 9                  # b's rest, c waiting
+    assert step(sched).scheduled == {"a": 1, "b": 4}          # c waits its turn
+    assert step(sched).scheduled == {"a": 1, "b": 2, "c": 2}  # b's last 2, c the rest of 4
+    assert step(sched).scheduled == {"a": 1, "b": 1, "c": 4}
+    assert sched.num_prefill_tokens == 3
+
+
+def test_a_pulled_prompt_is_no_prefill_work_and_waiting_prompts_are():
+    sched = scheduler(budget=8)
+    pulled = request("p", 12, first=None, remote=remote_prefill(12),
+                     kind=RequestKind.GENERATION_ONLY)
+    add(sched, pulled, request("a", 20))
+    assert sched.num_prefill_tokens == 20
+    step(sched)
+    assert sched.num_prefill_tokens == 12                     # 8 of a's 20 computed
+
+
 def test_max_num_seqs_keeps_the_rest_waiting_in_arrival_order():
     sched = scheduler(max_seqs=2)
     add(sched, *(request(rid, 3, first=10 * i) for i, rid in enumerate("xyz")))

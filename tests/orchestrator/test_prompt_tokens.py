@@ -88,8 +88,8 @@ def decider(threshold, model="tiny-random", **pools):
     return Decider(config, OrchestratorMetrics())
 
 
-def plan(d, body, gens=()):
-    return asyncio.run(d.plan(_Headers(), body, list(gens)))
+def plan(d, body, gens=(), ctxs=()):
+    return asyncio.run(d.plan(_Headers(), body, list(ctxs), list(gens)))
 
 
 def test_short_prompts_are_prefilled_on_gen_long_ones_on_ctx():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import json
 import logging
 import os
 import select
@@ -17,14 +18,12 @@ import sys
 import urllib.error
 import urllib.request
 
-import aiohttp
 import pytest
 
-from peer_utils import KEYS, PROMPT, Peer, good_ctx, good_gen, send_json
+from peer_utils import KEYS, PROMPT, Peer, good_ctx, good_gen, send_json, serve_through
 from server_utils import TEST_SECRET
 from splitserve import redact
 from splitserve.internal_client import InternalClient, NotProven
-from splitserve.orchestrator.app import Orchestrator
 from splitserve.orchestrator.cluster import ClusterConfig, PoolConfig
 from splitserve.trust import INTERNAL_HEADER, Keys, new_instance_id
 
@@ -56,25 +55,13 @@ def redirect_to(recorder: Recorder):
 
 
 async def _serve_one(ctx: Peer, gens: list[Peer], body: dict) -> tuple[int, dict]:
-    """One client request through an orchestrator in this process, once a GEN is verified."""
+    """One client request through an orchestrator in this process, once a GEN is verified,
+    and a few more health checks."""
     config = ClusterConfig(PoolConfig((ctx.url,)), PoolConfig(tuple(g.url for g in gens)),
                            port=0, internal_secret=TEST_SECRET, health_check_interval=0.2,
                            max_retries=0, first_byte_timeout=10)
-    orch = Orchestrator(config)
-    await orch.start()
-    try:
-        for _ in range(100):
-            if orch.pools.health()[1] == 200:
-                break
-            await asyncio.sleep(0.05)
-        async with aiohttp.ClientSession() as client:
-            async with client.post(f"http://127.0.0.1:{orch.http.port}/v1/completions",
-                                   json=body) as r:
-                answer = (r.status, await r.json())
-        await asyncio.sleep(0.5)          # a few more health checks
-        return answer
-    finally:
-        await orch.stop()
+    status, answer, _ = await serve_through(config, body, after=0.5)
+    return status, json.loads(answer)
 
 
 @pytest.mark.parametrize("role", ["ctx", "gen"])

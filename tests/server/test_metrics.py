@@ -89,7 +89,7 @@ def test_server_metrics():
     sm.generation_tokens.inc(30)
     sm.update_engine(SimpleNamespace(num_running=2, num_waiting=1, kv_blocks_used=25, kv_blocks_leased=4,
                                      kv_blocks_total=100, prefix_cache_queries=64,
-                                     prefix_cache_hits=32))
+                                     prefix_cache_hits=32, num_prefill_tokens=300))
     assert parse_prometheus(sm.render())[key("splitserve_requests_shed_total")] == 0
     sm.shed.inc()
     sm.engine_restarts.set_total(2)
@@ -104,6 +104,7 @@ def test_server_metrics():
     assert m[key("splitserve_inter_token_latency_seconds_sum")] == 0.004
     assert m[key("splitserve_num_requests_running")] == 2
     assert m[key("splitserve_num_requests_waiting")] == 1
+    assert m[key("splitserve_num_prefill_tokens")] == 300
     assert m[key("splitserve_kv_blocks_used")] == 25 and m[key("splitserve_kv_blocks_total")] == 100
     assert m[key("splitserve_kv_cache_usage")] == 0.25
     assert m[key("splitserve_prompt_tokens_total")] == 12

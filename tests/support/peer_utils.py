@@ -7,9 +7,12 @@ restarted worker refuses its previous instance's. A test may make a peer stop pr
 
 from __future__ import annotations
 
+import asyncio
 import http.server
 import json
 import threading
+
+import aiohttp
 
 from server_utils import TEST_SECRET
 from splitserve.trust import (CHALLENGE_HEADER, IDENTITY_HEADER, INTERNAL_HEADER, PROOF_HEADER,
@@ -80,6 +83,28 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.server.answer(self, body)
         except (BrokenPipeError, ConnectionResetError):
             pass                            # the orchestrator gave up on us: as it should
+
+
+async def serve_through(config, body: dict, after: float = 0.0) -> tuple[int, bytes, str]:
+    """One client request through an orchestrator in this process (config: a ClusterConfig
+    on port 0), once every pool has a verified worker: (status, the answer's bytes, the
+    orchestrator's /metrics text). after: seconds it keeps running (more health checks)."""
+    from splitserve.orchestrator.app import Orchestrator
+    orch = Orchestrator(config)
+    await orch.start()
+    try:
+        for _ in range(100):
+            if orch.pools.health()[1] == 200:
+                break
+            await asyncio.sleep(0.05)
+        async with aiohttp.ClientSession() as client:
+            async with client.post(f"http://127.0.0.1:{orch.http.port}/v1/completions",
+                                   json=body) as r:
+                answer = r.status, await r.read()
+        await asyncio.sleep(after)
+        return (*answer, orch.metrics.registry.render().decode())
+    finally:
+        await orch.stop()
 
 
 def send(h, status: int, ctype: str, *parts: bytes) -> None:
