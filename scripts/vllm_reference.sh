@@ -11,10 +11,12 @@
 # 3. serves it offline on 127.0.0.1:PORT in the foreground, with the CPU settings vLLM
 #    documents: VLLM_CPU_KVCACHE_SPACE (GiB of KV cache) and VLLM_CPU_OMP_THREADS_BIND=auto
 #    (engine threads pinned to cores, one core left to the API server). Startup compiles
-#    the model (inductor) and takes minutes on 2 cores the first time for each DTYPE;
-#    later starts load the compiled model from vLLM's cache (~/.cache/vllm). The server
-#    is up when `curl -s 127.0.0.1:PORT/v1/models` answers. DTYPE (float32 or bfloat16) is
-#    vLLM's --dtype: it casts the float32 folder's weights as it loads them.
+#    the model and takes minutes on 2 cores, on every start: vLLM 0.32's CPU build saves
+#    the compiled model to ~/.cache/vllm but fails to load it back ("'function' object has
+#    no attribute 'finalize_loading'") and compiles again (measured: 2 min at a load
+#    average of ~3 on 2 cores, 5 to 9 min at ~15). The server is up when
+#    `curl -s 127.0.0.1:PORT/v1/models` answers. DTYPE (float32 or bfloat16) is vLLM's
+#    --dtype: it casts the float32 folder's weights as it loads them.
 #
 # `splitserve bench report --vllm-venv VENV` runs this script and `splitserve serve` / `up`
 # one at a time, in alternating order, as a section of docs/benchmarks.md

@@ -34,7 +34,7 @@ from splitserve.bench.serve.compare import settle
 from splitserve.bench.server_process import free_port
 
 REFERENCE = "Against CPU vLLM on this machine"
-VLLM_START_SECONDS = 1800.0    # installs (first run) and compiles the model with inductor
+VLLM_START_SECONDS = 1800.0    # installs (first run) and compiles the model (every start)
 SERVERS = ("vllm", "splitserve")
 ROUNDS = 2
 DTYPES = ("float32", "bfloat16")

@@ -178,7 +178,7 @@ def timing(records: list[dict], elapsed_s: float) -> str:
     """The section's wall time and what vLLM's starts cost (the first compiles)."""
     vllm = [s["seconds"] for r in records if r["server"] == THEIRS for s in r["starts"] if "seconds" in s]
     starts = (f"; vLLM's {len(vllm)} starts took {', '.join(f'{s:.0f}' for s in vllm)} s "
-              "(the first of a dtype compiles the model unless vLLM's cache already holds it)"
+              "(each compiles the model: scripts/vllm_reference.sh says why)"
               if vllm else "")
     return (f"Each round runs the commands above again (round 1 of each dtype is cited). The "
             f"section took {elapsed_s / 60:.1f} min{starts}.")
