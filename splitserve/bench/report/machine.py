@@ -89,9 +89,9 @@ def machine_cpu_s() -> float:
     return (user + nice + system + irq + softirq) / _TICK
 
 
-def _group_cpu_s(pgid: int) -> float:
-    """CPU seconds of a process group's live members, and of the children they reaped."""
-    total = 0
+def _group_stats(pgid: int) -> list[list[str]]:
+    """/proc/PID/stat fields (after the command name) of a process group's live members."""
+    found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/stat") as f:
@@ -99,8 +99,18 @@ def _group_cpu_s(pgid: int) -> float:
         except OSError:
             continue
         if int(fields[2]) == pgid:
-            total += sum(map(int, fields[11:15]))     # utime stime cutime cstime
-    return total / _TICK
+            found.append(fields)
+    return found
+
+
+def _group_cpu_s(pgid: int) -> float:
+    """CPU seconds of a process group's live members, and of the children they reaped."""
+    return sum(sum(map(int, f[11:15])) for f in _group_stats(pgid)) / _TICK  # utime..cstime
+
+
+def live_in_group(pgid: int) -> int:
+    """How many processes of the group are left, zombies not counted (they hold no CPU)."""
+    return sum(1 for f in _group_stats(pgid) if f[0] != "Z")
 
 
 def git_commit() -> str:

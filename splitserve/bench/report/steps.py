@@ -15,6 +15,7 @@ import time
 import urllib.request
 
 from splitserve.bench.report.config import ReportConfig
+from splitserve.bench.report.machine import live_in_group
 from splitserve.bench.report.markdown import failed, shown
 from splitserve.orchestrator.up import wait_healthy
 from splitserve.prometheus import parse_prometheus
@@ -25,6 +26,7 @@ class StepFailed(Exception):
 
 
 STEP_ERRORS = (StepFailed, OSError, ValueError, KeyError)
+GONE_S = 30.0      # how long a stopped server's killed processes may take to disappear
 
 
 def tool(*args: str) -> list[str]:
@@ -85,9 +87,10 @@ def scrape(url: str) -> dict:
 
 class Service:
     """A server (`splitserve serve` / `splitserve up`) for the length of a `with` block:
-    started in its own process group and healthy (/health 200) on entry; on exit SIGINT
-    (which `splitserve up` answers by stopping its workers), then SIGKILL of the group in
-    case anything is left."""
+    started in its own process group and healthy (/health 200) on entry (`started_s`: how
+    long that took); on exit SIGINT (which `splitserve up` answers by stopping its workers),
+    then SIGKILL of the group in case anything is left, and a wait (up to GONE_S) until no
+    process of the group is left, so the next server starts on a machine they have left."""
 
     def __init__(self, cmd: list[str], url: str, log: str, timeout: float):
         self.cmd, self.url, self.log_path, self.timeout = cmd, url, log, timeout
@@ -102,8 +105,8 @@ class Service:
         t0 = time.monotonic()
         try:
             wait_healthy([self.proc], [self.url], self.timeout)
-            print(f"# report: healthy after {time.monotonic() - t0:.1f} s", file=self.log,
-                  flush=True)
+            self.started_s = time.monotonic() - t0
+            print(f"# report: healthy after {self.started_s:.1f} s", file=self.log, flush=True)
         except (RuntimeError, TimeoutError) as exc:
             self.stop()
             with open(self.log_path) as f:
@@ -129,6 +132,8 @@ class Service:
         except (ProcessLookupError, PermissionError):
             pass
         self.proc.wait()
+        while live_in_group(self.proc.pid) and time.monotonic() - t0 < GONE_S:
+            time.sleep(0.1)
         print(f"# report: stopped in {time.monotonic() - t0:.1f} s", file=self.log, flush=True)
         self.log.close()
 
