@@ -57,39 +57,93 @@ def text_of(events) -> str:
     return "".join(c["text"] for e in events[:-1] for c in e["choices"])
 
 
-@pytest.fixture
-def cluster(tmp_path):
-    """build(n_ctx, n_gen, ctx_args, gen_args, **orchestrator config) -> (ctxs, gens, orch);
-    everything it started is stopped at the end, whatever failed."""
-    started, pool = [], concurrent.futures.ThreadPoolExecutor(2)
+def resume(worker) -> None:
+    """SIGCONT to a worker's processes: a stalled engine cannot stop itself."""
+    for pid in descendants(worker.proc.pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
 
-    def start(make, *args, **kwargs):
-        started.append(make(*args, **kwargs))
-        return started[-1]
+
+def reusable(worker) -> bool:
+    """Still serving, idle, every KV block free: as good as a freshly started one."""
+    try:
+        m = metrics(worker.url)
+    except OSError:
+        return False
+    return (worker.proc.poll() is None and m["splitserve_num_requests_running"] == 0
+            and m["splitserve_kv_blocks_used"] + m["splitserve_kv_blocks_leased"] == 0)
+
+
+class WorkerPool:
+    """This file's workers, shared by its tests by their arguments: a test takes the ones it
+    needs (started when too few are idle); at its end those still serving and idle come back
+    and the rest (killed, or left busy by a failure) are closed. Each test starts its own
+    orchestrator, so what it counts there is its own; what it reads from a worker's
+    counters is the change over the test."""
+
+    def __init__(self):
+        self.idle: dict[tuple[str, ...], list[Worker]] = {}
+
+    def take(self, n: int, args: tuple[str, ...]) -> list[Worker]:
+        idle = self.idle.setdefault(args, [])
+        while len(idle) < n:
+            idle.append(Worker(*MODEL, *args))
+        taken, self.idle[args] = idle[:n], idle[n:]
+        return taken
+
+    def give_back(self, args: tuple[str, ...], worker) -> None:
+        resume(worker)
+        if reusable(worker):
+            self.idle[args].append(worker)
+        else:
+            worker.close()
+
+    def close(self) -> None:
+        for worker in (w for ws in self.idle.values() for w in ws):
+            worker.close()
+
+
+@pytest.fixture(scope="module")
+def workers():
+    pool = WorkerPool()
+    try:
+        yield pool
+    finally:
+        pool.close()
+
+
+@pytest.fixture
+def cluster(tmp_path, workers):
+    """build(n_ctx, n_gen, ctx_args, gen_args, **orchestrator config) -> (ctxs, gens, orch):
+    workers from the pool, an orchestrator of the test's own; the orchestrator is stopped
+    and the workers given back at the end, whatever failed."""
+    taken, orchs, pool = [], [], concurrent.futures.ThreadPoolExecutor(2)
 
     def build(n_ctx=1, n_gen=1, ctx_args=(), gen_args=(), **config):
-        ctxs = [start(Worker, *MODEL, "--role", "ctx", *ctx_args) for _ in range(n_ctx)]
-        gens = [start(Worker, *MODEL, "--role", "gen", *gen_args) for _ in range(n_gen)]
-        orch = start(Orchestrator, tmp_path, [c.url for c in ctxs], [g.url for g in gens],
-                     **config)
-        return ctxs, gens, orch
+        ctx_args, gen_args = ("--role", "ctx", *ctx_args), ("--role", "gen", *gen_args)
+        ctxs, gens = workers.take(n_ctx, ctx_args), workers.take(n_gen, gen_args)
+        taken.extend([(ctx_args, w) for w in ctxs] + [(gen_args, w) for w in gens])
+        orchs.append(Orchestrator(tmp_path, [c.url for c in ctxs], [g.url for g in gens],
+                                  **config))
+        return ctxs, gens, orchs[-1]
     build.submit = pool.submit
     yield build
-    for p in reversed(started):
-        for pid in descendants(p.proc.pid):      # a stalled engine cannot stop itself
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGCONT)
-        p.close()
+    for orch in orchs:
+        orch.close()
+    for args, worker in taken:
+        workers.give_back(args, worker)
     pool.shutdown(cancel_futures=True)
 
 
 def test_gen_killed_before_its_first_event_is_retried_on_another_gen(cluster):
     (ctx,), gens, orch = cluster(1, 2, ("--kv-lease-seconds", "3"))
     want = post(gens[0].url + "/v1/completions", BODY)[1]["choices"][0]["text"]
+    before = [relayed(g) for g in gens]
     engines = [stall(g) for g in gens]
     pending = cluster.submit(stream, orch.url + "/v1/completions", BODY)
-    wait_for(lambda: any(relayed(g) for g in gens), 60, "a GEN holds the request")
-    victim = 0 if relayed(gens[0]) else 1
+    wait_for(lambda: relayed(gens[0]) + relayed(gens[1]) > sum(before), 60,
+             "a GEN holds the request")
+    victim = 0 if relayed(gens[0]) > before[0] else 1
     kill(gens[victim])
     os.kill(engines[1 - victim], signal.SIGCONT)
     assert text_of(pending.result(120)) == want
@@ -125,10 +179,11 @@ def test_gen_killed_mid_stream_is_continued_on_another_gen(cluster, sampling):
 
 def test_gen_killed_mid_stream_without_migration_ends_with_an_error(cluster):
     (ctx,), gens, orch = cluster(1, 2, ("--kv-lease-seconds", "3"), migrate_streams=False)
+    before = relayed(gens[0])
     conn, resp = open_stream(orch.port, LONG)
     assert resp.status == 200
     assert "choices" in read_events(resp, 2)[0]
-    victim = 0 if relayed(gens[0]) else 1
+    victim = 0 if relayed(gens[0]) > before else 1
     kill(gens[victim])
     rest = read_events(resp)
     conn.close()
@@ -148,10 +203,11 @@ def test_ctx_killed_after_its_prefill_is_retried_with_a_fresh_prefill(cluster, s
     event; either way nothing reached the client, and the request prefills again."""
     ctxs, (gen,), orch = cluster(2, 1, gen_args=("--kv-timeout", "3"))
     want = post(gen.url + "/v1/completions", BODY)[1]["choices"][0]["text"]
+    before = relayed(gen)
     engine = stall(gen)
     url = orch.url + "/v1/completions"
     pending = cluster.submit(stream, url, BODY) if streamed else cluster.submit(post, url, BODY)
-    wait_for(lambda: relayed(gen), 60, "the GEN holds the request")
+    wait_for(lambda: relayed(gen) > before, 60, "the GEN holds the request")
     leased = [metrics(c.url)["splitserve_kv_blocks_leased"] > 0 for c in ctxs]
     assert sum(leased) == 1
     victim = leased.index(True)
