@@ -2,9 +2,9 @@
 
 One cluster (`splitserve up`: several CTX and GEN workers, GEN workers with several
 front-ends, a fleet of orchestrator processes) serves every schedule. First each request
-of the pool (workload.py, drawn from --seed) runs once without faults: its clean text.
-Then each schedule K (its own generator, from seed and K, so `--schedule K` replays it)
-sends a draw of the pool's requests at random moments while injecting faults
+of the pool (workload.py, drawn from --seed) that a schedule picks runs once without
+faults: its clean text. Then each schedule K (its own generator, from seed and K, so
+`--schedule K` replays it) sends its draw of the pool's requests at random moments while injecting faults
 (faults.py: signals to processes, client disconnects, and KV transfer faults armed for the
 CTX workers' KV transports) at random moments, and checks:
 
@@ -34,7 +34,8 @@ import time
 from collections import Counter
 
 from splitserve.bench.chaos.cluster import ChaosCluster, Shape
-from splitserve.bench.chaos.faults import CLIENT_CUT, ENDS_CONNECTIONS, draw_schedule, inject
+from splitserve.bench.chaos.faults import (CLIENT_CUT, ENDS_CONNECTIONS, Schedule,
+                                           draw_schedule, inject)
 from splitserve.bench.chaos.workload import Call, request_pool
 from splitserve.kv import faults as kv_faults
 
@@ -74,8 +75,12 @@ def run(args) -> int:
     cluster = ChaosCluster(shape, log)
     try:
         pool = request_pool(args.seed)
-        clean = clean_texts(cluster, pool)
-        result = Campaign(args, cluster, pool, clean).run(indices)
+        schedules = {k: draw_schedule(args.seed, k, len(pool), args.requests, args.span,
+                                      args.faults, args.kv_faults, shape.lease_seconds)
+                     for k in indices}
+        picked = sorted({i for s in schedules.values() for i in s.picks})
+        clean = clean_texts(cluster, pool, picked)
+        result = Campaign(args, cluster, pool, clean).run(schedules)
     finally:
         cluster.close()
         log.close()
@@ -91,21 +96,23 @@ def run(args) -> int:
     return 0 if not result["violations"] else 1
 
 
-def clean_texts(cluster: ChaosCluster, pool: list[dict]) -> list[list[str]]:
-    """Each request's text without faults, one at a time."""
-    texts = []
-    for i, body in enumerate(pool):
-        call = Call(cluster.port, body, DEADLINE)
+def clean_texts(cluster: ChaosCluster, pool: list[dict],
+                picked: list[int]) -> dict[int, list[str]]:
+    """The text without faults of each picked request of the pool, one at a time."""
+    texts = {}
+    for i in picked:
+        call = Call(cluster.port, pool[i], DEADLINE)
         call.start()
         out = call.join()
         if out.kind != "text":
             raise RuntimeError(f"request {i} of the pool failed without faults: {out.detail}")
-        texts.append(out.texts)
+        texts[i] = out.texts
     return texts
 
 
 class Campaign:
-    def __init__(self, args, cluster: ChaosCluster, pool: list[dict], clean: list[list[str]]):
+    def __init__(self, args, cluster: ChaosCluster, pool: list[dict],
+                 clean: dict[int, list[str]]):
         self.args, self.cluster, self.pool, self.clean = args, cluster, pool, clean
         self.faults: Counter = Counter()
         self.outcomes: Counter = Counter()
@@ -113,10 +120,10 @@ class Campaign:
         self.violations: list[dict] = []
         self.kv_not_struck = 0               # KV faults armed that no pull came to take
 
-    def run(self, indices) -> dict:
-        for k in indices:
-            self.schedule(k)
-        return {"seed": self.args.seed, "schedules": len(indices),
+    def run(self, schedules: dict[int, Schedule]) -> dict:
+        for k, s in schedules.items():
+            self.schedule(k, s)
+        return {"seed": self.args.seed, "schedules": len(schedules),
                 "requests": sum(self.outcomes.values()), "outcomes": dict(self.outcomes),
                 "errors": dict(self.errors.most_common()),
                 "faults_injected": dict(sorted(self.faults.items())),
@@ -128,10 +135,7 @@ class Campaign:
         print(f"chaos: seed {self.args.seed} schedule {k}: {what} {more or ''}",
               file=sys.stderr)
 
-    def schedule(self, k: int) -> None:
-        a = self.args
-        s = draw_schedule(a.seed, k, len(self.pool), a.requests, a.span, a.faults,
-                          a.kv_faults, self.cluster.shape.lease_seconds)
+    def schedule(self, k: int, s: Schedule) -> None:
         calls = [Call(self.cluster.port, self.pool[i], DEADLINE) for i in s.picks]
         ended = self._play(k, calls, s.starts, s.faults)
         for call, i in zip(calls, s.picks):
