@@ -3,7 +3,7 @@ the orchestrator, KV over TCP, float32 so greedy output is exact."""
 
 import pytest
 
-from server_utils import Orchestrator, Worker, post
+from server_utils import Orchestrator, post, start_workers
 
 pytestmark = pytest.mark.bundled
 
@@ -13,8 +13,7 @@ FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    ctx = Worker(*MODEL, "--role", "ctx")
-    gen = Worker(*MODEL, "--role", "gen")
+    ctx, gen = start_workers((*MODEL, "--role", "ctx"), (*MODEL, "--role", "gen"))
     orch = Orchestrator(tmp_path_factory.mktemp("bundled"), [ctx.url], [gen.url])
     yield ctx, gen, orch
     for p in (orch, gen, ctx):

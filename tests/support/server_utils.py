@@ -34,13 +34,28 @@ def _open(req: urllib.request.Request, timeout: float, internal_call: bool):
 
 
 class Worker(ServerProcess):
-    """`splitserve serve ...` (one torch thread) in a subprocess, healthy on return;
-    stopped (and waited for) on close()."""
+    """`splitserve serve ...` (one torch thread) in a subprocess, healthy on return (unless
+    wait is False); stopped (and waited for) on close()."""
 
-    def __init__(self, *args: str, timeout: float = 180.0):
+    def __init__(self, *args: str, timeout: float = 180.0, wait: bool = True):
         port = free_port()
         super().__init__(["serve", "--port", str(port), *args], port, threads=1)
-        wait_healthy(self, timeout)
+        if wait:
+            wait_healthy(self, timeout)
+
+
+def start_workers(*arg_lists: tuple[str, ...], timeout: float = 180.0) -> list[Worker]:
+    """Workers started together, each healthy on return: their start-ups (imports, the
+    model's load) overlap on the machine's cores. All are closed if one fails."""
+    workers = [Worker(*args, wait=False) for args in arg_lists]
+    try:
+        for w in workers:
+            w.wait_healthy(timeout)
+    except BaseException:
+        for w in workers:
+            w.close()
+        raise
+    return workers
 
 
 def wait_healthy(service: ServerProcess, timeout: float) -> None:
