@@ -5,8 +5,8 @@ import os
 import signal
 import socket
 
-from server_utils import (Orchestrator, UpCluster, Worker, alive, descendants, get, metrics,
-                          post, wait_for)
+from server_utils import (Orchestrator, UpCluster, alive, descendants, get, metrics, post,
+                          start_workers, wait_for)
 
 MODEL = ("--model", "tiny-random", "--dtype", "float32")
 BODY = {"model": "tiny-random", "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0}
@@ -18,8 +18,8 @@ def kill(worker) -> None:
 
 
 def test_dead_generation_workers(tmp_path):
-    ctx = Worker(*MODEL, "--role", "ctx", "--kv-lease-seconds", "2")
-    gens = [Worker(*MODEL, "--role", "gen") for _ in range(2)]
+    gen = (*MODEL, "--role", "gen")
+    ctx, *gens = start_workers((*MODEL, "--role", "ctx", "--kv-lease-seconds", "2"), gen, gen)
     orch = Orchestrator(tmp_path, [ctx.url], [g.url for g in gens], gen_router="round_robin")
     try:
         _, want = post(orch.url + "/v1/completions", BODY)
@@ -67,8 +67,8 @@ def stream_then_kill(orch, gen) -> list:
 
 
 def test_dead_context_worker_is_routed_around(tmp_path):
-    ctxs = [Worker(*MODEL, "--role", "ctx") for _ in range(2)]
-    gen = Worker(*MODEL, "--role", "gen")
+    ctx = (*MODEL, "--role", "ctx")
+    *ctxs, gen = start_workers(ctx, ctx, (*MODEL, "--role", "gen"))
     orch = Orchestrator(tmp_path, [c.url for c in ctxs], [gen.url])
     try:
         kill(ctxs[0])
